@@ -1,0 +1,5 @@
+import sys
+
+from seqlab.cli import main
+
+sys.exit(main())

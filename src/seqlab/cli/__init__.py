@@ -1,0 +1,56 @@
+"""``seqlab`` command line: one subcommand per job.
+
+This package is the only place that knows every part of seqlab. Each job's module exposes ``register(subparsers)``
+and keeps its heavy imports inside its ``run`` function, so ``seqlab --help`` answers instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import seqlab
+
+# subcommand modules, in the order --help lists them; a module that is missing is skipped
+_MODULES = ("train", "generate", "chat", "nnqs", "info")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="seqlab",
+        description="One autoregressive Transformer core that learns, generates, and solves molecules.",
+    )
+    parser.add_argument("--version", action="version", version=f"seqlab {seqlab.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _MODULES:
+        try:
+            module = importlib.import_module(f"seqlab.cli.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"seqlab.cli.{name}":
+                continue
+            raise
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        if getattr(args, "debug", False):
+            raise
+        print(f"seqlab {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Chat conversations -> token ids with role boundaries, for SFT (assistant-only loss) and DPO (prompt/response).
+
+A conversation (system / user / assistant / tool messages, assistant tool calls) is rendered by the tokenizer's chat
+template in Jinja's *sandbox* (``seqlab.io.chat_template``: a template ships inside model files, so it must not be
+able to touch Python). Assistant spans are found by rendering *incrementally*: for assistant message k,
+
+    start = len(render(messages[:k], add_generation_prompt=True))   # everything up to "<|im_start|>assistant\\n"
+    end   = len(render(messages[:k+1]))  cut right after the end-of-turn token
+
+so the span is the assistant's content (and tool calls) plus its end-of-turn token, exactly what the model must
+produce at inference, where the prompt is rendered with ``add_generation_prompt=True``. The text is then encoded
+segment by segment at those boundaries, which is also where inference starts generating, so token boundaries
+match. A template whose renders are not prefixes of each other cannot be split this way and raises.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from seqlab.data.collate import IGNORE_INDEX
+from seqlab.io.chat_template import render_chat_template
+
+
+class ChatTemplateSpanError(ValueError):
+    """The chat template does not render prefix-stably, so assistant spans cannot be located."""
+
+
+def _special_str(tokenizer: Any, tid: int | None) -> str:
+    if tid is None:
+        return ""
+    return next((s for s, i in tokenizer.special_tokens.items() if i == tid), "")
+
+
+def render_with_spans(tokenizer: Any, messages: Sequence[dict], template: str | None = None
+                      ) -> tuple[str, list[tuple[int, int]]]:
+    """-> (full text, [(start, end) character span of each assistant turn incl. its end-of-turn token])."""
+    template = template or tokenizer.chat_template
+    if not template:
+        raise ValueError(f"tokenizer {getattr(tokenizer, 'name', '?')!r} has no chat template; pass one")
+    extra = {"bos_token": _special_str(tokenizer, tokenizer.bos_id), "eos_token": _special_str(tokenizer, tokenizer.eos_id)}
+    render = lambda msgs, gen=False: render_chat_template(template, msgs, add_generation_prompt=gen, **extra)
+    messages = list(messages)
+    full = render(messages)
+    eot = getattr(tokenizer, "eot_token", None)
+    spans = []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        prefix = render(messages[:k], True)
+        upto = render(messages[: k + 1])
+        if not (upto.startswith(prefix) and full.startswith(upto)):
+            raise ChatTemplateSpanError(
+                f"chat template is not prefix-stable at message {k}: rendering the conversation up to the assistant "
+                "turn is not a prefix of the full rendering, so the assistant span cannot be located")
+        start, end = len(prefix), len(upto)
+        if eot:
+            j = full.rfind(eot, start, end)
+            if j >= 0:
+                end = j + len(eot)
+        spans.append((start, end))
+    return full, spans
+
+
+def tokenize_chat(tokenizer: Any, messages: Sequence[dict], max_len: int | None = None,
+                  template: str | None = None) -> dict[str, list[int]]:
+    """-> ``{"input_ids", "labels"}`` with labels = ids on assistant spans, -100 elsewhere (unshifted)."""
+    text, spans = render_with_spans(tokenizer, messages, template)
+    ids: list[int] = []
+    labels: list[int] = []
+    pos = 0
+    for start, end in spans + [(len(text), len(text))]:
+        for seg, learn in ((text[pos:start], False), (text[start:end], True)):
+            if seg:
+                seg_ids = tokenizer.encode(seg)
+                ids += seg_ids
+                labels += seg_ids if learn else [IGNORE_INDEX] * len(seg_ids)
+        pos = end
+    if max_len is not None:
+        ids, labels = ids[:max_len], labels[:max_len]
+    return {"input_ids": ids, "labels": labels}
+
+
+def tokenize_preference(tokenizer: Any, example: dict[str, Any], max_len: int | None = None,
+                        template: str | None = None) -> dict[str, list[int]]:
+    """``{"prompt", "chosen", "rejected"}`` -> ``{"prompt_ids", "chosen_ids", "rejected_ids"}``.
+
+    With a chat template (as in SFT) the prompt is rendered as a user turn (or as the given message list) plus the
+    generation prompt, and each response is followed by the end-of-turn token; without one, plain prompt text and
+    responses + EOS. Over-long pairs lose prompt tokens from the left first, then response tokens from the right.
+    """
+    template = template or tokenizer.chat_template
+    prompt = example["prompt"]
+    if template:
+        msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        extra = {"bos_token": _special_str(tokenizer, tokenizer.bos_id),
+                 "eos_token": _special_str(tokenizer, tokenizer.eos_id)}
+        prompt_ids = tokenizer.encode(render_chat_template(template, msgs, add_generation_prompt=True, **extra))
+        eot = getattr(tokenizer, "eot_token", None) or ""
+        enc = lambda r: tokenizer.encode(r + eot)
+    else:
+        if not isinstance(prompt, str):
+            raise ValueError("a message-list prompt needs a chat template")
+        prompt_ids = tokenizer.encode(prompt)
+        enc = lambda r: tokenizer.encode(r) + ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
+    chosen, rejected = enc(example["chosen"]), enc(example["rejected"])
+    if max_len is not None:
+        longest = max(len(chosen), len(rejected))
+        keep_prompt = min(len(prompt_ids), max(max_len - longest, max_len // 2))
+        prompt_ids = prompt_ids[len(prompt_ids) - keep_prompt:]
+        room = max_len - len(prompt_ids)
+        chosen, rejected = chosen[:room], rejected[:room]
+    return {"prompt_ids": prompt_ids, "chosen_ids": chosen, "rejected_ids": rejected}

@@ -1,0 +1,112 @@
+"""Render chat templates (Jinja) the way Hugging Face does, inside a sandbox.
+
+Why a sandbox: a chat template is code that ships inside a model file (GGUF metadata, tokenizer_config.json). A
+downloaded model must not be able to read files or call arbitrary Python, so templates run in Jinja's
+``ImmutableSandboxedEnvironment`` (no attribute access to dunders, no mutation of the objects we hand in).
+
+Why mirror HF exactly: the model was fine-tuned on the bytes the template produces; a single stray newline changes
+what the model sees. We use the same environment options (``trim_blocks``, ``lstrip_blocks``, loop controls) and the
+same helpers HF exposes to templates (``raise_exception``, ``tojson`` with ``ensure_ascii=False``, ``strftime_now``,
+the ``{% generation %}`` block tag), so any template written for HF renders identically here.
+
+Stable API (the SFT objective reads it)::
+
+    render_chat_template(template, messages, add_generation_prompt=False, **extra) -> str
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from typing import Any, Iterable, Mapping
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+__all__ = ["ChatTemplateError", "render_chat_template", "compile_chat_template", "validate_messages"]
+
+
+class ChatTemplateError(ValueError):
+    """The template is invalid, or it refused the conversation (``raise_exception`` in the template)."""
+
+
+def _raise_exception(message: str) -> None:
+    # Templates call this to reject conversations they cannot format (e.g. roles out of order).
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+    # Jinja's built-in tojson HTML-escapes '<', '>' and '&', which would corrupt prompts; HF overrides it likewise.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationTag(Extension):
+    """``{% generation %}...{% endgeneration %}``: HF uses it to mark assistant spans; here it renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller) -> str:
+        return caller()
+
+
+@functools.lru_cache(maxsize=32)
+def compile_chat_template(template: str) -> jinja2.Template:
+    """Compile once per distinct template string (chat loops render the same template every turn)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"chat template line {e.lineno}: syntax error: {e.message}") from e
+
+
+def validate_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Check the ``[{"role": ..., "content": ...}, ...]`` shape and return plain dict copies."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping):
+            raise ChatTemplateError(f"messages[{i}]: expected a mapping with 'role' and 'content', got {type(m).__name__}")
+        if "role" not in m or not isinstance(m["role"], str):
+            raise ChatTemplateError(f"messages[{i}]: missing string field 'role'")
+        if "content" not in m and "tool_calls" not in m:
+            raise ChatTemplateError(f"messages[{i}]: missing field 'content'")
+        out.append(dict(m))
+    return out
+
+
+def render_chat_template(
+    template: str,
+    messages: Iterable[Mapping[str, Any]],
+    add_generation_prompt: bool = False,
+    **extra: Any,
+) -> str:
+    """Render ``messages`` with ``template``; ``extra`` becomes template variables (bos_token, eos_token, tools...).
+
+    ``add_generation_prompt=True`` appends the header that opens an assistant turn, so generation continues as the
+    assistant. Errors raised by the template itself (``raise_exception``) come back as :class:`ChatTemplateError`.
+    """
+    if not isinstance(template, str) or not template:
+        raise ChatTemplateError("no chat template: the model file does not define one (pass a template string)")
+    compiled = compile_chat_template(template)
+    try:
+        return compiled.render(messages=validate_messages(messages), add_generation_prompt=add_generation_prompt, **extra)
+    except jinja2.exceptions.SecurityError as e:
+        raise ChatTemplateError(f"chat template tried an unsafe operation: {e}") from e
+    except jinja2.exceptions.TemplateError as e:
+        raise ChatTemplateError(f"chat template error: {e}") from e

@@ -1,0 +1,103 @@
+"""Self- and cross-attention over PyTorch SDPA, reading and writing a KVCache.
+
+Q, K and V come from one fused projection (one matmul instead of three); grouped-query attention is SDPA's
+``enable_gqa`` so K/V are never repeated in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from seqlab.config import ModelConfig
+from seqlab.model.cache import KVCache
+from seqlab.model.layers import apply_rotary
+
+
+@dataclass
+class AttentionInputs:
+    """What every self-attention layer of one forward pass shares: mask, rotary tables and the cache."""
+
+    mask: Tensor | None = None  # bool, True = attend, broadcastable to [B, H, Tq, Tk]
+    is_causal: bool = False  # use SDPA's own causal masking (only when queries and keys start together)
+    rope: tuple[Tensor, Tensor] | None = None
+    cache: KVCache | None = None
+
+
+@dataclass
+class CrossInputs:
+    memory: Tensor | None  # encoder output [B, S, d]; may be None when the cache already holds cross K/V
+    mask: Tensor | None  # [B, 1, 1, S]
+    cache: KVCache | None = None
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.bias)
+        self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+        self.attn_dropout = cfg.attn_dropout
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, inputs: AttentionInputs, layer: int) -> Tensor:
+        B, T, _ = x.shape
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        q, k, v = self.qkv(x).split((H * D, Hkv * D, Hkv * D), dim=-1)
+        q = q.view(B, T, H, D).transpose(1, 2)
+        k = k.view(B, T, Hkv, D).transpose(1, 2)
+        v = v.view(B, T, Hkv, D).transpose(1, 2)
+        if inputs.rope is not None:
+            cos, sin = inputs.rope
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if inputs.cache is not None:
+            k, v = inputs.cache.update(layer, k, v)
+        y = F.scaled_dot_product_attention(
+            q, k, v,
+            attn_mask=inputs.mask,
+            is_causal=inputs.is_causal,
+            dropout_p=self.attn_dropout if self.training else 0.0,
+            enable_gqa=H != Hkv,
+        )
+        return self.dropout(self.out(y.transpose(1, 2).reshape(B, T, H * D)))
+
+
+class CrossAttention(nn.Module):
+    """Decoder queries over encoder memory; K/V of the memory are computed once and kept in the cache."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.q = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
+        self.kv = nn.Linear(cfg.d_model, 2 * cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+        self.attn_dropout = cfg.attn_dropout
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        B, S, _ = memory.shape
+        k, v = self.kv(memory).view(B, S, 2, self.n_kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return k, v
+
+    def forward(self, x: Tensor, inputs: CrossInputs, layer: int) -> Tensor:
+        B, T, _ = x.shape
+        H, D = self.n_heads, self.head_dim
+        cache = inputs.cache
+        if cache is not None and cache.cross_k[layer] is not None:
+            k, v = cache.cross_k[layer], cache.cross_v[layer]
+        else:
+            if inputs.memory is None:
+                raise ValueError("cross-attention needs encoder memory (or a cache that already holds its K/V)")
+            k, v = self.memory_kv(inputs.memory)
+            if cache is not None:
+                cache.cross_k[layer], cache.cross_v[layer] = k, v
+        q = self.q(x).view(B, T, H, D).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q, k.to(q.dtype), v.to(q.dtype),
+            attn_mask=inputs.mask,
+            dropout_p=self.attn_dropout if self.training else 0.0,
+            enable_gqa=H != self.n_kv_heads,
+        )
+        return self.dropout(self.out(y.transpose(1, 2).reshape(B, T, H * D)))

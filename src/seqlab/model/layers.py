@@ -1,0 +1,139 @@
+"""Norms, MLPs, embeddings and position encodings: the small parts every block is built from."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from seqlab.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """Llama's RMSNorm, computed in fp32 (as the reference does) so bf16 runs stay stable."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    dim = dim or cfg.d_model
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(dim, cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps)
+
+
+def activation_fn(name: str):
+    if name == "gelu":
+        return F.gelu
+    if name == "gelu_tanh":
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "relu":
+        return F.relu
+    return F.silu
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward. ``swiglu`` fuses gate and up projections into one matmul (``up`` = [gate; up])."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gated = cfg.mlp == "swiglu"
+        self.d_ff = cfg.d_ff
+        self.up = nn.Linear(cfg.d_model, (2 if self.gated else 1) * cfg.d_ff, bias=cfg.bias)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        self.act = activation_fn(cfg.activation)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.up(x)
+        if self.gated:
+            gate, up = h.split(self.d_ff, dim=-1)
+            h = self.act(gate) * up
+        else:
+            h = self.act(h)
+        return self.dropout(self.down(h))
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding, rotate-half convention (as Hugging Face Llama).
+
+    cos/sin are computed from explicit position ids, in fp32, so padded rows and cache decoding use exactly the
+    positions a single unpadded sequence would.
+    """
+
+    def __init__(self, head_dim: int, base: float):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        freqs = position_ids[:, :, None].float() * self.inv_freq[None, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, head_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def sinusoidal_embedding(position_ids: Tensor, dim: int) -> Tensor:
+    """The fixed encoding of "Attention Is All You Need": sin on even channels, cos on odd ones."""
+    half = dim // 2
+    freq = torch.exp(-math.log(10000.0) * torch.arange(half, device=position_ids.device).float() * 2 / dim)
+    angles = position_ids[..., None].float() * freq
+    out = torch.zeros(*position_ids.shape, dim, device=position_ids.device)
+    out[..., 0 : 2 * half : 2] = angles.sin()
+    out[..., 1 : 2 * half : 2] = angles.cos()
+    return out
+
+
+class Embeddings(nn.Module):
+    """Token (+ learned/sinusoidal position, + token type) embeddings, optional scale, norm and dropout.
+
+    ``tok`` may be passed in so that encoder and decoder of an encoder-decoder share one token table.
+    """
+
+    def __init__(self, cfg: ModelConfig, tok: nn.Embedding | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.tok = tok if tok is not None else nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos = nn.Embedding(cfg.max_seq_len + cfg.pos_offset, cfg.d_model) if cfg.pos == "learned" else None
+        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.d_model) if cfg.type_vocab_size else None
+        self.norm = make_norm(cfg) if cfg.embed_norm else None
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, token_type_ids: Tensor | None = None) -> Tensor:
+        x = self.tok(input_ids)
+        if self.scale != 1.0:
+            x = x * self.scale
+        if self.pos is not None:
+            if int(position_ids.max()) >= self.cfg.max_seq_len:
+                raise ValueError(
+                    f"position {int(position_ids.max())} exceeds the learned position table "
+                    f"(max_seq_len={self.cfg.max_seq_len})"
+                )
+            x = x + self.pos(position_ids + self.cfg.pos_offset)
+        elif self.cfg.pos == "sinusoidal":
+            x = x + sinusoidal_embedding(position_ids, self.cfg.d_model).to(x.dtype)
+        if self.token_type is not None:
+            if token_type_ids is None:
+                x = x + self.token_type.weight[0]
+            else:
+                x = x + self.token_type(token_type_ids)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.dropout(x)

@@ -1,0 +1,271 @@
+"""Decoder, Encoder and EncoderDecoder: one block, three arrangements.
+
+- ``Decoder`` (GPT / Llama): causal self-attention, LM head. Serves language modelling, generation and NNQS.
+- ``Encoder`` (BERT): bidirectional self-attention, masked-LM head.
+- ``EncoderDecoder`` (BART / T5): an encoder, and a decoder whose blocks add cross-attention over its output.
+
+Every model splits into ``body`` (ids -> final hidden states) and ``head`` (hidden -> logits), so callers that need
+only the last position's logits (decoding) or only hidden states (embeddings, the NNQS phase head) pay for nothing
+else. The model never knows which objective it serves.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from seqlab.config import ModelConfig
+from seqlab.model import masks
+from seqlab.model.attention import AttentionInputs, CrossAttention, CrossInputs, SelfAttention
+from seqlab.model.cache import KVCache
+from seqlab.model.layers import MLP, Embeddings, Rotary, activation_fn, make_norm
+
+
+class Block(nn.Module):
+    """Self-attention (+ cross-attention) + MLP, each a residual branch, with pre- or post-norm."""
+
+    def __init__(self, cfg: ModelConfig, cross: bool = False):
+        super().__init__()
+        self.pre_norm = cfg.pre_norm
+        self.attn_norm = make_norm(cfg)
+        self.attn = SelfAttention(cfg)
+        self.cross_norm = make_norm(cfg) if cross else None
+        self.cross_attn = CrossAttention(cfg) if cross else None
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, inputs: AttentionInputs, layer: int, cross: CrossInputs | None = None) -> Tensor:
+        if self.pre_norm:
+            x = x + self.attn(self.attn_norm(x), inputs, layer)
+            if self.cross_attn is not None:
+                x = x + self.cross_attn(self.cross_norm(x), cross, layer)
+            return x + self.mlp(self.mlp_norm(x))
+        x = self.attn_norm(x + self.attn(x, inputs, layer))
+        if self.cross_attn is not None:
+            x = self.cross_norm(x + self.cross_attn(x, cross, layer))
+        return self.mlp_norm(x + self.mlp(x))
+
+
+def _all_true(mask: Tensor) -> bool:
+    return bool(mask.all())
+
+
+class Stack(nn.Module):
+    """Embeddings -> blocks -> final norm, with the masks and positions of one pass prepared once."""
+
+    def __init__(self, cfg: ModelConfig, n_layers: int, causal: bool, cross: bool, tok: nn.Embedding | None = None):
+        super().__init__()
+        self.cfg, self.causal = cfg, causal
+        self.embed = Embeddings(cfg, tok)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_base) if cfg.pos == "rope" else None
+        self.blocks = nn.ModuleList(Block(cfg, cross) for _ in range(n_layers))
+        self.norm = make_norm(cfg) if cfg.final_norm else nn.Identity()
+
+    def new_cache(self, batch_size: int, max_len: int, dtype=None, device=None) -> KVCache:
+        p = self.embed.tok.weight
+        return KVCache(len(self.blocks), batch_size, self.cfg.n_kv_heads, self.cfg.head_dim, max_len,
+                       dtype=dtype or p.dtype, device=device or p.device)
+
+    def _prepare(self, input_ids, attention_mask, position_ids, cache, document_ids) -> tuple[AttentionInputs, Tensor]:
+        B, T = input_ids.shape
+        device = input_ids.device
+        if cache is not None:
+            if not self.causal:
+                raise ValueError("a KV cache only makes sense for causal (decoder) self-attention")
+            if cache.batch_size != B:
+                raise ValueError(f"cache holds {cache.batch_size} rows but the input has {B}")
+            new_valid = torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
+            if position_ids is None:
+                position_ids = masks.positions_from_mask(new_valid, start=cache.lengths())
+            start = cache.pos
+            cache.reserve(T, new_valid)
+            if start == 0 and _all_true(new_valid):
+                inputs = AttentionInputs(mask=None, is_causal=T > 1, cache=cache)
+            elif T == 1 and _all_true(cache.valid[:, : start + 1]):
+                inputs = AttentionInputs(mask=None, cache=cache)
+            else:
+                inputs = AttentionInputs(mask=masks.cached_self_attention_mask(cache.valid, start, T), cache=cache)
+        elif document_ids is not None:
+            if position_ids is None:
+                position_ids = masks.positions_from_documents(document_ids)
+            inputs = AttentionInputs(mask=masks.document_mask(document_ids, causal=self.causal))
+        elif attention_mask is None or _all_true(attention_mask):
+            if position_ids is None:
+                position_ids = torch.arange(T, device=device).expand(B, T)
+            inputs = AttentionInputs(is_causal=self.causal)
+        else:
+            if position_ids is None:
+                position_ids = masks.positions_from_mask(attention_mask)
+            mask = masks.padding_mask(attention_mask)
+            if self.causal:
+                mask = mask & masks.causal_mask(T, device=device)
+            inputs = AttentionInputs(mask=masks.ensure_attendable(mask))
+        return inputs, position_ids
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        cache: KVCache | None = None,
+        document_ids: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        cross: CrossInputs | None = None,
+    ) -> Tensor:
+        inputs, position_ids = self._prepare(input_ids, attention_mask, position_ids, cache, document_ids)
+        x = self.embed(input_ids, position_ids, token_type_ids)
+        if self.rotary is not None:
+            inputs.rope = self.rotary(position_ids, x.dtype)
+        for i, block in enumerate(self.blocks):
+            x = block(x, inputs, i, cross)
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
+        return self.norm(x)
+
+
+class LMHead(nn.Module):
+    """Output projection (optionally tied to the token table), with BERT's optional transform and a logit bias."""
+
+    def __init__(self, cfg: ModelConfig, tok: nn.Embedding):
+        super().__init__()
+        self.transform = None
+        if cfg.mlm_head_transform:
+            self.transform = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_model), _Activation(cfg.activation), make_norm(cfg))
+        self.proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
+        if cfg.tie_embeddings:
+            self.proj.weight = tok.weight
+
+    def forward(self, h: Tensor) -> Tensor:
+        if self.transform is not None:
+            h = self.transform(h)
+        return self.proj(h)
+
+
+class _Activation(nn.Module):
+    def __init__(self, name: str):
+        super().__init__()
+        self.fn = activation_fn(name)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fn(x)
+
+
+class _Model(nn.Module):
+    config: ModelConfig
+
+    def _init_weights(self) -> None:
+        """GPT-2 initialisation: N(0, std) weights, zero biases, residual projections scaled by 1/sqrt(2L)."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                scale = 1 / math.sqrt(2 * self.config.n_layers) if name.endswith(("out.weight", "down.weight")) else 1
+                nn.init.normal_(p, 0.0, std * scale)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+
+    def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        seen = {id(p): p for p in self.parameters()}
+        n = sum(p.numel() for p in seen.values())
+        if exclude_embeddings:
+            n -= sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Embedding))
+        return n
+
+
+class Decoder(_Model):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.stack = Stack(cfg, cfg.n_layers, causal=True, cross=False)
+        self.lm_head = LMHead(cfg, self.stack.embed.tok)
+        self._init_weights()
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.stack.blocks
+
+    def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None, device=None) -> KVCache:
+        return self.stack.new_cache(batch_size, max_len or self.config.max_seq_len, dtype, device)
+
+    def body(self, input_ids, attention_mask=None, position_ids=None, cache=None, document_ids=None) -> Tensor:
+        return self.stack(input_ids, attention_mask, position_ids, cache, document_ids)
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, document_ids=None) -> Tensor:
+        return self.head(self.body(input_ids, attention_mask, position_ids, cache, document_ids))
+
+
+class Encoder(_Model):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.stack = Stack(cfg, cfg.n_layers, causal=False, cross=False)
+        self.lm_head = LMHead(cfg, self.stack.embed.tok)
+        self._init_weights()
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.stack.blocks
+
+    def body(self, input_ids, attention_mask=None, position_ids=None, token_type_ids=None, document_ids=None) -> Tensor:
+        return self.stack(input_ids, attention_mask, position_ids, None, document_ids, token_type_ids)
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, token_type_ids=None, document_ids=None) -> Tensor:
+        return self.head(self.body(input_ids, attention_mask, position_ids, token_type_ids, document_ids))
+
+
+class EncoderDecoder(_Model):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.shared = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.encoder = Stack(cfg, cfg.n_layers, causal=False, cross=False, tok=self.shared)
+        self.decoder = Stack(cfg, cfg.n_decoder_layers, causal=True, cross=True, tok=self.shared)
+        self.lm_head = LMHead(cfg, self.shared)
+        self._init_weights()
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return nn.ModuleList([*self.encoder.blocks, *self.decoder.blocks])
+
+    def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None, device=None) -> KVCache:
+        return self.decoder.new_cache(batch_size, max_len or self.config.max_seq_len, dtype, device)
+
+    def encode(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        return self.encoder(input_ids, attention_mask)
+
+    def decode_body(self, decoder_input_ids, memory, memory_mask=None, cache=None,
+                    decoder_attention_mask=None, position_ids=None) -> Tensor:
+        if cache is not None and cache.memory_mask is None and memory_mask is not None:
+            cache.memory_mask = memory_mask.bool()
+        key_valid = cache.memory_mask if cache is not None and cache.memory_mask is not None else memory_mask
+        mask = None
+        if key_valid is not None and not _all_true(key_valid):
+            mask = masks.ensure_attendable(masks.padding_mask(key_valid))
+        cross = CrossInputs(memory=memory, mask=mask, cache=cache)
+        return self.decoder(decoder_input_ids, decoder_attention_mask, position_ids, cache, cross=cross)
+
+    def decode(self, decoder_input_ids, memory, memory_mask=None, cache=None,
+               decoder_attention_mask=None, position_ids=None) -> Tensor:
+        return self.head(self.decode_body(decoder_input_ids, memory, memory_mask, cache, decoder_attention_mask, position_ids))
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
+                cache=None, encoder_hidden=None) -> Tensor:
+        if decoder_input_ids is None:
+            raise ValueError("encoder_decoder models need decoder_input_ids")
+        memory = encoder_hidden if encoder_hidden is not None else self.encode(input_ids, attention_mask)
+        return self.decode(decoder_input_ids, memory, attention_mask, cache, decoder_attention_mask)
+
+
+def build_model(cfg: ModelConfig) -> Decoder | Encoder | EncoderDecoder:
+    """The one constructor: the architecture comes from ``cfg.arch``."""
+    return {"decoder": Decoder, "encoder": Encoder, "encoder_decoder": EncoderDecoder}[cfg.arch](cfg)

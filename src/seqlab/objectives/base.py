@@ -1,0 +1,66 @@
+"""The contract between objectives and the trainer.
+
+    class Objective(Protocol):
+        name: str
+        def collate(self, examples: list) -> dict[str, Tensor]   # padded tensors; labels use -100
+        def num_targets(self, batch) -> int                      # valid targets (step-level normalisation)
+        def loss(self, model, batch) -> ObjectiveOutput          # loss_sum, n_targets, metrics (, n_bytes)
+
+Optional hooks with no-op defaults in :class:`BaseObjective`:
+
+- ``setup(model)``: called once after the model is built/initialised and *before* a resume checkpoint is loaded
+  (DPO snapshots its frozen reference policy here);
+- ``state_dict()`` / ``load_state_dict(d)``: RNG position of objectives that draw randomness at collate time
+  (MLM), saved with checkpoints so a resumed run masks exactly as the uninterrupted one.
+
+Objectives call the model only through ``model(...)`` (its ``forward``), so DDP/FSDP wrappers see every pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from seqlab.objectives.loss import ObjectiveOutput
+
+
+@runtime_checkable
+class Objective(Protocol):
+    name: str
+
+    def collate(self, examples: list) -> dict[str, Tensor]: ...
+
+    def num_targets(self, batch: dict[str, Tensor]) -> int: ...
+
+    def loss(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> ObjectiveOutput: ...
+
+
+class BaseObjective:
+    name = "base"
+    arch = "decoder"  # the ModelConfig.arch this objective trains
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else 0
+        self._byte_table: Tensor | None = None
+
+    @property
+    def byte_table(self) -> Tensor | None:
+        """Per-token UTF-8 byte lengths, for bits per byte (None if the tokenizer cannot say)."""
+        if self._byte_table is None and hasattr(self.tokenizer, "byte_lengths"):
+            self._byte_table = torch.tensor(self.tokenizer.byte_lengths(), dtype=torch.long)
+        return self._byte_table
+
+    def setup(self, model: torch.nn.Module) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"

@@ -1,0 +1,79 @@
+"""Causal language modelling: position i is scored on token i+1.
+
+**Callers pass unshifted ids.** ``labels`` has the same layout as ``input_ids`` (-100 where a token must not be
+learned: padding, prompts in SFT); :func:`next_token_labels` is the one and only place where labels are shifted,
+and SFT and DPO reuse it. (Shifting twice, or not at all, silently trains a different task: with a causal mask and
+unshifted labels the model learns to copy its input.)
+
+With packed rows (``document_ids``), the target that would cross into the next document is dropped too, so a packed
+batch scores exactly the targets of the same documents one per row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from seqlab.data.collate import pad_labels, pad_sequences, pad_with_mask
+from seqlab.objectives.base import BaseObjective
+from seqlab.objectives.loss import IGNORE_INDEX, ObjectiveOutput, count_bytes, token_cross_entropy
+
+
+def next_token_labels(labels: Tensor, document_ids: Tensor | None = None) -> Tensor:
+    """[B, T] unshifted labels -> [B, T-1] targets for logits[:, :-1]: target_i = labels_{i+1}."""
+    targets = labels[:, 1:]
+    if document_ids is not None:
+        same = document_ids[:, 1:] == document_ids[:, :-1]
+        targets = targets.masked_fill(~same, IGNORE_INDEX)
+    return targets
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor, document_ids: Tensor | None = None) -> tuple[Tensor, int]:
+    """(sum of next-token CE, number of targets) for logits [B, T, V] and unshifted labels [B, T]."""
+    return token_cross_entropy(logits[:, :-1], next_token_labels(labels, document_ids))
+
+
+def _as_example(e: Any) -> dict[str, Sequence[int]]:
+    return {"input_ids": e} if not isinstance(e, dict) else e
+
+
+class CausalLM(BaseObjective):
+    """Examples: a list of token ids, or ``{"input_ids", optional "labels", optional "document_ids"}`` (packed rows,
+    all of one length). Batch: ``input_ids, attention_mask, labels`` (+ ``document_ids``)."""
+
+    name = "clm"
+    arch = "decoder"
+
+    def __init__(self, tokenizer: Any, padding_side: str = "right"):
+        super().__init__(tokenizer)
+        self.padding_side = padding_side
+
+    def collate(self, examples: list) -> dict[str, Tensor]:
+        ex = [_as_example(e) for e in examples]
+        seqs = [list(e["input_ids"]) for e in ex]
+        input_ids, attention_mask = pad_with_mask(seqs, self.pad_id, self.padding_side)
+        if any("labels" in e for e in ex):
+            labels = pad_labels([list(e.get("labels", e["input_ids"])) for e in ex], self.padding_side)
+        else:
+            labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+        batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+        if any("document_ids" in e for e in ex):
+            batch["document_ids"] = pad_sequences([list(e["document_ids"]) for e in ex], -1, self.padding_side)
+            labels.masked_fill_(batch["document_ids"] < 0, IGNORE_INDEX)
+        return batch
+
+    def num_targets(self, batch: dict[str, Tensor]) -> int:
+        return int((next_token_labels(batch["labels"], batch.get("document_ids")) != IGNORE_INDEX).sum())
+
+    def forward(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+        if "document_ids" in batch:
+            return model(batch["input_ids"], document_ids=batch["document_ids"])
+        return model(batch["input_ids"], attention_mask=batch["attention_mask"])
+
+    def loss(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> ObjectiveOutput:
+        logits = self.forward(model, batch)
+        targets = next_token_labels(batch["labels"], batch.get("document_ids"))
+        loss_sum, n = token_cross_entropy(logits[:, :-1], targets)
+        return ObjectiveOutput(loss_sum, n, {"loss": float(loss_sum) / max(n, 1)}, count_bytes(targets, self.byte_table))

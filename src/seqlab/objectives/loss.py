@@ -1,0 +1,73 @@
+"""Token-normalised cross-entropy, and the output every objective returns.
+
+Why a *sum* and a *count* instead of a mean: the loss of one optimizer step must be
+
+    (sum of token losses over all micro-batches and ranks) / (number of valid targets in all of them)
+
+Averaging per-micro-batch means instead weights a token in a short (heavily padded) micro-batch more than a token
+in a long one: that is the gradient-accumulation bug that hit a major trainer in 2024. So objectives return
+``loss_sum`` and ``n_targets``; the trainer first counts the step's targets (``objective.num_targets(batch)`` for
+every micro-batch, all-reduced over ranks), then backpropagates ``loss_sum * world_size / step_targets`` per
+micro-batch (DDP averages gradients over ranks, hence the ``world_size``). The result equals one big batch exactly
+(tests/objectives/test_accumulation.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from seqlab.data.collate import IGNORE_INDEX
+
+__all__ = ["IGNORE_INDEX", "ObjectiveOutput", "token_cross_entropy", "sequence_logprobs", "count_bytes"]
+
+
+@dataclass
+class ObjectiveOutput:
+    """``loss_sum``: scalar tensor, summed over this batch's ``n_targets`` valid targets (nats for token losses,
+    summed per-pair losses for DPO). ``metrics``: floats *averaged over this batch* (weight them by ``n_targets``
+    to combine batches). ``n_bytes``: UTF-8 bytes the scored targets stand for, when meaningful (bits per byte)."""
+
+    loss_sum: Tensor
+    n_targets: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    n_bytes: int | None = None
+
+    @property
+    def loss(self) -> Tensor:
+        """Mean over this batch only: for logging and single-batch use, never for accumulation."""
+        return self.loss_sum / max(self.n_targets, 1)
+
+
+def token_cross_entropy(logits: Tensor, labels: Tensor) -> tuple[Tensor, int]:
+    """Sum of -log p(label) over positions whose label is not IGNORE_INDEX, and how many there are.
+
+    ``logits`` [..., V] and ``labels`` [...] are already aligned (no shift here). Only the valid rows are gathered
+    before the softmax, so padded or prompt positions cost no softmax work; the softmax runs in fp32 whatever the
+    model dtype, because bf16 log-probabilities lose ~3 significant digits.
+    """
+    valid = labels != IGNORE_INDEX
+    n = int(valid.sum())
+    if n == 0:
+        return logits.sum() * 0.0, 0  # keeps the graph connected (DDP needs every parameter to get a grad)
+    picked = logits[valid].float()
+    return F.cross_entropy(picked, labels[valid], reduction="sum"), n
+
+
+def sequence_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
+    """Per-row sum of log p(label) over valid positions ([B, T, V], [B, T] aligned) -> [B] (fp32)."""
+    valid = labels != IGNORE_INDEX
+    safe = labels.masked_fill(~valid, 0)
+    lp = -F.cross_entropy(logits.float().transpose(1, 2), safe, reduction="none")  # [B, T]
+    return (lp * valid).sum(-1)
+
+
+def count_bytes(labels: Tensor, byte_table: Tensor | None) -> int | None:
+    """UTF-8 bytes of the valid targets, from a per-token byte-length table (None if no table)."""
+    if byte_table is None:
+        return None
+    valid = labels != IGNORE_INDEX
+    return int(byte_table.to(labels.device)[labels[valid]].sum())

@@ -1,0 +1,134 @@
+"""TrainConfig: every knob of one training run, validated on construction, stored in each checkpoint.
+
+Why one dataclass: a run is reproducible only if everything that shaped it is written down next to its
+weights. The CLI builds a TrainConfig, the Trainer reads nothing else, and ``state.json`` of every checkpoint
+holds ``to_dict()`` so ``--resume`` can refuse a config that changed in a way that breaks exact resumption.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+PARALLEL = ("none", "ddp", "fsdp")
+SCHEDULES = ("cosine", "constant")
+
+
+class TrainConfigError(ValueError):
+    """A training configuration value is invalid; the message names the field."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"TrainConfig.{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass
+class TrainConfig:
+    """One training run. Batch sizes are in sequences; one optimizer step sees
+    ``batch_size * grad_accum * world_size`` sequences (the *global batch*)."""
+
+    objective: str = "clm"
+    out_dir: str = "runs/train"
+    seed: int = 1337
+
+    # data / batching
+    seq_len: int = 128
+    batch_size: int = 16  # micro-batch per rank
+    grad_accum: int = 1  # micro-batches per rank per optimizer step
+
+    # optimisation
+    max_steps: int = 1000
+    max_time_s: float | None = None  # wall-clock budget of training proper (eval excluded); see schedule.py
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 100
+    warmup_frac: float | None = None  # if set, warmup length as a fraction of training (time- or step-based)
+    schedule: str = "cosine"
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0
+
+    # numerics / speed
+    precision: str = "auto"  # auto: bf16 where the device does it fast, fp16+GradScaler on old GPUs, else fp32
+    compile: bool = False
+    activation_checkpointing: bool = False
+    device: str = "auto"
+    num_threads: int | None = None
+
+    # parallelism (torchrun sets the ranks; "none" still works under torchrun with world size 1)
+    parallel: str = "ddp"  # used only when WORLD_SIZE > 1
+
+    # evaluation, logging, checkpoints
+    eval_interval: int = 200  # steps; 0 disables periodic eval (a final eval still runs)
+    eval_batches: int | None = None  # None: the whole validation split
+    eval_batch_size: int | None = None
+    log_interval: int = 10
+    ckpt_interval: int = 500  # steps; 0: only the final checkpoint
+    keep_last: int = 3
+    progress: bool = True
+    plot: bool = True
+
+    # objective-specific keyword arguments passed to objectives.build_objective
+    objective_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.betas, list):
+            self.betas = tuple(self.betas)
+        positive = ("seq_len", "batch_size", "grad_accum", "max_steps", "log_interval", "keep_last")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise TrainConfigError(name, f"must be a positive integer, got {value!r}")
+        for name in ("warmup_steps", "eval_interval", "ckpt_interval"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise TrainConfigError(name, f"must be a non-negative integer, got {value!r}")
+        if not self.lr > 0:
+            raise TrainConfigError("lr", f"must be positive, got {self.lr!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise TrainConfigError("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.warmup_frac is not None and not 0.0 <= self.warmup_frac < 1.0:
+            raise TrainConfigError("warmup_frac", f"must be in [0, 1), got {self.warmup_frac!r}")
+        if self.max_time_s is not None and not self.max_time_s > 0:
+            raise TrainConfigError("max_time_s", f"must be positive, got {self.max_time_s!r}")
+        if self.weight_decay < 0:
+            raise TrainConfigError("weight_decay", f"must be >= 0, got {self.weight_decay!r}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise TrainConfigError("betas", f"must be two numbers in [0, 1), got {self.betas!r}")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise TrainConfigError("grad_clip", f"must be positive or None, got {self.grad_clip!r}")
+        if self.precision not in PRECISIONS:
+            raise TrainConfigError("precision", f"unknown precision {self.precision!r}; expected one of {PRECISIONS}")
+        if self.parallel not in PARALLEL:
+            raise TrainConfigError("parallel", f"unknown mode {self.parallel!r}; expected one of {PARALLEL}")
+        if self.schedule not in SCHEDULES:
+            raise TrainConfigError("schedule", f"unknown schedule {self.schedule!r}; expected one of {SCHEDULES}")
+        if self.eval_batches is not None and self.eval_batches <= 0:
+            raise TrainConfigError("eval_batches", f"must be positive or None, got {self.eval_batches!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise TrainConfigError(unknown[0], f"unknown field(s) {unknown}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# Fields that may change between a checkpoint and its resumption without breaking exactness.
+RESUME_MUTABLE = frozenset({
+    "out_dir", "max_steps", "max_time_s", "eval_interval", "eval_batches", "eval_batch_size", "log_interval",
+    "ckpt_interval", "keep_last", "progress", "plot", "compile", "activation_checkpointing", "num_threads",
+    "device",
+})

@@ -1,0 +1,140 @@
+"""Hugging Face transformers as the oracle: the same random weights give the same logits in seqlab.
+
+Every HF parameter (norm weights and biases included) is perturbed away from its initial value so that a wrong
+mapping of any tensor shows up in the logits.
+"""
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from seqlab.io import CheckpointError, load_hf, load_pretrained, save_pretrained  # noqa: E402
+
+TOL = 1e-4
+
+
+def _randomise(model):
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def _save(model, tmp_path):
+    model.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _left_padded(vocab: int):
+    ids = torch.randint(3, vocab, (3, 11))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[1, :1] = 0
+    ids[mask == 0] = 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    return ids, mask, pos
+
+
+def _right_padded(vocab: int, T: int = 11):
+    ids = torch.randint(3, vocab, (3, T))
+    mask = torch.ones_like(ids)
+    mask[0, -4:] = 0
+    mask[2, -2:] = 0
+    ids[mask == 0] = 1
+    return ids, mask
+
+
+def _close(ours, theirs, mask):
+    real = mask.bool()
+    diff = (ours[real] - theirs[real]).abs().max().item()
+    assert diff < TOL, diff
+    return diff
+
+
+def test_gpt2(tmp_path):
+    hf = _randomise(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4, attn_implementation="eager")))
+    ours = load_hf(_save(hf, tmp_path))
+    ids, mask, pos = _left_padded(101)
+    with torch.no_grad():
+        _close(ours(ids, attention_mask=mask), hf(ids, attention_mask=mask, position_ids=pos).logits, mask)
+
+
+def test_llama_gqa(tmp_path):
+    hf = _randomise(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rope_theta=5000.0, tie_word_embeddings=False,
+        attn_implementation="eager")))
+    ours = load_hf(_save(hf, tmp_path))
+    assert ours.config.n_kv_heads == 2 and ours.config.rope_base == 5000.0
+    ids, mask, pos = _left_padded(101)
+    with torch.no_grad():
+        _close(ours(ids, attention_mask=mask), hf(ids, attention_mask=mask, position_ids=pos).logits, mask)
+
+
+def test_bert_mlm(tmp_path):
+    hf = _randomise(transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=32, attn_implementation="eager")))
+    ours = load_hf(_save(hf, tmp_path))
+    ids, mask = _right_padded(101)
+    with torch.no_grad():
+        _close(ours(ids, attention_mask=mask), hf(ids, attention_mask=mask).logits, mask)
+
+
+def test_bart(tmp_path):
+    hf = _randomise(transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=101, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=32,
+        attn_implementation="eager")))
+    with torch.no_grad():
+        hf.final_logits_bias.normal_()
+    ours = load_hf(_save(hf, tmp_path))
+    src, src_mask = _right_padded(101)
+    dec, dec_mask = _right_padded(101, T=7)
+    with torch.no_grad():
+        theirs = hf(input_ids=src, attention_mask=src_mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask).logits
+        mine = ours(src, attention_mask=src_mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask)
+    _close(mine, theirs, dec_mask)
+
+
+def test_save_load_round_trip(tmp_path):
+    hf = _randomise(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=1, tie_word_embeddings=True)))
+    ours = load_hf(_save(hf, tmp_path / "hf"))
+    save_pretrained(ours, tmp_path / "ours")
+    again = load_pretrained(tmp_path / "ours")
+    ids = torch.randint(0, 101, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(ours(ids), again(ids))
+    assert again.lm_head.proj.weight is again.stack.embed.tok.weight  # still tied after the round trip
+
+
+def test_unknown_tensors_are_listed(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    _save(hf, tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    tensors["transformer.h.0.mystery.weight"] = torch.zeros(2)
+    del tensors["transformer.ln_f.bias"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="ln_f.bias"):
+        load_hf(tmp_path)
+    tensors["transformer.ln_f.bias"] = torch.zeros(32)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="mystery"):
+        load_hf(tmp_path)
+
+
+def test_corrupted_checkpoint_is_refused(tmp_path):
+    from seqlab import ModelConfig, build_model
+
+    save_pretrained(build_model(ModelConfig(n_layers=1, d_model=32, n_heads=2)), tmp_path)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="corrupted or truncated"):
+        load_pretrained(tmp_path)
