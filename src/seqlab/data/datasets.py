@@ -1,0 +1,171 @@
+"""``build_dataset``: the examples each objective trains on, from a file or from the built-in defaults.
+
+Defaults (no ``--data``): the embedded Shakespeare corpus for clm/mlm, the synthetic date-normalisation task for
+seq2seq, built-in chats for sft and preference pairs for dpo (``data.synthetic``) — all deterministic.
+
+Splits of a user file (so one file is enough): JSONL examples with ``index % 20 == 19`` are validation, the rest
+train; a single plain-text document keeps its last ~5 % (cut at a line break) for validation. ``split="all"``
+uses everything (e.g. when a separate validation file is given).
+
+CLM rows are windows of ``seq_len`` tokens over the token stream (documents joined by EOS) with stride
+``seq_len - 1``: consecutive windows share one token, so every token of the stream after the first is a target
+exactly once (the window's first token is context only). Evaluating the validation split therefore scores the whole
+held-out text once — what perplexity and bits per byte need.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+from torch.utils.data import Dataset
+
+from seqlab.data import readers, synthetic
+from seqlab.data.chat import tokenize_chat, tokenize_preference
+from seqlab.data.corpus import load_documents, normalise_split
+from seqlab.data.packing import pack_documents
+
+HOLDOUT_EVERY = 20
+SYNTHETIC_SIZES = {"seq2seq": (20000, 500), "sft": (4000, 200), "dpo": (4000, 200)}  # (train, validation)
+_VAL_SEED_OFFSET = 1_000_003
+
+
+class Examples(Dataset):
+    """A map-style dataset over a list, or over ``fn(index)`` for examples generated on the fly."""
+
+    def __init__(self, items: Sequence[Any] | None = None, fn: Callable[[int], Any] | None = None, size: int = 0,
+                 info: dict[str, Any] | None = None):
+        self.items, self.fn = items, fn
+        self.size = len(items) if items is not None else size
+        self.info = info or {}
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> Any:
+        if not -self.size <= i < self.size:
+            raise IndexError(i)
+        i %= self.size
+        return self.items[i] if self.items is not None else self.fn(i)
+
+
+def _split_split(split: str) -> str:
+    return "all" if split == "all" else normalise_split(split)
+
+
+def split_items(items: Sequence[Any], split: str) -> list[Any]:
+    if split == "all":
+        return list(items)
+    if len(items) < 2:
+        raise ValueError(f"need at least 2 examples to hold some out for {split!r}; got {len(items)} (use split='all')")
+    held = [i for i in range(len(items)) if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1] or [len(items) - 1]
+    held_set = set(held)
+    keep = held if split == "validation" else [i for i in range(len(items)) if i not in held_set]
+    return [items[i] for i in keep]
+
+
+def split_text(text: str, split: str, frac: float = 0.05) -> str:
+    if split == "all":
+        return text
+    cut = int(len(text) * (1 - frac))
+    nl = text.rfind("\n", 0, cut)
+    cut = nl + 1 if nl > 0 else cut
+    return text[cut:] if split == "validation" else text[:cut]
+
+
+def _documents(path: str | os.PathLike | None, split: str) -> list[str]:
+    if path is None:
+        splits = ("train", "validation") if split == "all" else (split,)
+        return [d.text for s in splits for d in load_documents(s)]
+    docs = readers.read_documents(path)
+    if len(docs) == 1:
+        return [split_text(docs[0], split)]
+    return split_items(docs, split)
+
+
+def token_stream(docs: Sequence[str], tokenizer: Any) -> torch.Tensor:
+    """Documents encoded and joined with EOS (after each document) into one long tensor."""
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    ids: list[int] = []
+    for enc in tokenizer.encode_batch(list(docs)):
+        ids += enc + eos
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def windows(stream: torch.Tensor, seq_len: int, stride: int) -> list[list[int]]:
+    """Windows of ``seq_len`` starting every ``stride`` tokens; the last one may be shorter (never below 2)."""
+    n = len(stream)
+    out = []
+    for start in range(0, max(n - 1, 1), stride):
+        w = stream[start: start + seq_len]
+        if len(w) >= 2:
+            out.append(w.tolist())
+    return out
+
+
+def _seq2seq_item(tokenizer: Any, seq_len: int, ex: dict[str, str]) -> dict[str, list[int]]:
+    eos = tokenizer.eos_id
+    return {"source_ids": tokenizer.encode(ex["source"])[: seq_len - 1] + [eos],
+            "target_ids": tokenizer.encode(ex["target"])[: seq_len - 1]}
+
+
+def _synthetic_seq2seq(tokenizer, seq_len, seed, split, i):
+    return _seq2seq_item(tokenizer, seq_len, synthetic.date_example(seed, i, split))
+
+
+def _synthetic_sft(tokenizer, seq_len, seed, split, i):
+    return tokenize_chat(tokenizer, synthetic.chat_example(seed, i, split)["messages"], seq_len)
+
+
+def _synthetic_dpo(tokenizer, seq_len, seed, split, i):
+    return tokenize_preference(tokenizer, synthetic.preference_example(seed, i, split), seq_len)
+
+
+def build_dataset(objective: str, path: str | os.PathLike | None, tokenizer: Any, seq_len: int,
+                  split: str = "train", seed: int = 0, *, pack: bool = False, size: int | None = None) -> Examples:
+    """Examples for ``objective`` (what its ``collate`` takes). ``pack`` (clm only): pack whole documents
+    (BOS + text + EOS) into rows with ``document_ids`` instead of windows over the joined stream. ``size``: number of
+    synthetic examples (default per objective)."""
+    split = _split_split(split)
+    if seq_len < 4:
+        raise ValueError(f"seq_len must be >= 4, got {seq_len}")
+    info = {"objective": objective, "path": str(path) if path else None, "split": split, "seq_len": seq_len}
+    if objective == "clm":
+        docs = _documents(path, split)
+        if pack:
+            bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+            eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+            rows = pack_documents([bos + ids + eos for ids in tokenizer.encode_batch(docs)], seq_len, tokenizer.pad_id)
+            return Examples(rows, info=info)
+        stream = token_stream(docs, tokenizer)
+        info["n_tokens"] = len(stream)
+        return Examples(windows(stream, seq_len, seq_len - 1), info=info)
+    if objective == "mlm":
+        docs = _documents(path, split)
+        stream = token_stream(docs, tokenizer)
+        body = seq_len - 2
+        rows = [[tokenizer.bos_id] + stream[i: i + body].tolist() + [tokenizer.eos_id]
+                for i in range(0, len(stream), body)]
+        info["n_tokens"] = len(stream)
+        return Examples(rows, info=info)
+    if objective not in SYNTHETIC_SIZES:
+        raise ValueError(f"unknown objective {objective!r}; expected clm, mlm, seq2seq, sft or dpo")
+    if path is not None:
+        if objective == "seq2seq":
+            items = [_seq2seq_item(tokenizer, seq_len, ex) for ex in split_items(readers.read_seq2seq(path), split)]
+        elif objective == "sft":
+            items = [tokenize_chat(tokenizer, ex["messages"], seq_len)
+                     for ex in split_items(readers.read_sft(path), split)]
+        else:
+            items = [tokenize_preference(tokenizer, ex, seq_len)
+                     for ex in split_items(readers.read_preferences(path), split)]
+        return Examples(items, info=info)
+    n_train, n_val = SYNTHETIC_SIZES[objective]
+    n = size or (n_val if split == "validation" else n_train)
+    syn_split = "validation" if split == "validation" else "train"
+    syn_seed = seed + (_VAL_SEED_OFFSET if split == "validation" else 0)
+    fn = {"seq2seq": _synthetic_seq2seq, "sft": _synthetic_sft, "dpo": _synthetic_dpo}[objective]
+    info["synthetic"] = True
+    return Examples(fn=functools.partial(fn, tokenizer, seq_len, syn_seed, syn_split), size=n, info=info)
