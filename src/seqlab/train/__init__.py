@@ -1,0 +1,13 @@
+"""Training: the Trainer loop, its config, schedule, checkpoints and multi-process glue.
+
+    from seqlab.train import TrainConfig, Trainer
+    trainer = Trainer(TrainConfig(objective="clm", out_dir="runs/x"), model, objective, train_data, val_data, tokenizer)
+    result = trainer.fit()
+"""
+
+from seqlab.train.checkpoint import CheckpointError
+from seqlab.train.config import TrainConfig, TrainConfigError
+from seqlab.train.trainer import StopTraining, Trainer, TrainingDiverged, TrainResult
+
+__all__ = ["CheckpointError", "StopTraining", "TrainConfig", "TrainConfigError", "TrainResult", "Trainer",
+           "TrainingDiverged"]
