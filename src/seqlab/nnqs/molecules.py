@@ -233,3 +233,28 @@ def reference_energies(mf, h1: np.ndarray, eri: np.ndarray, e_nuc: float, nelec:
     elif fci:
         ref.notes.append(f"FCI skipped: {dim} determinants > {FCI_MAX_DETERMINANTS}")
     return ref
+
+
+@dataclass
+class System:
+    """Everything the NNQS run needs about one molecule: the input, the Hamiltonian and the references."""
+
+    molecule: Molecule
+    hamiltonian: "Hamiltonian"  # noqa: F821
+    references: References
+    mf: object = None
+
+    @property
+    def n_orb(self) -> int:
+        return self.hamiltonian.n_orb
+
+
+def prepare(mol: Molecule, fci: bool = True, cc: bool = True, n_roots: int = 4) -> System:
+    """SCF -> MO integrals -> Hamiltonian, plus reference energies on the same orbitals."""
+    from seqlab.nnqs.hamiltonian import Hamiltonian, mo_integrals
+
+    mf = run_scf(build_pyscf(mol))
+    h1, eri, e_nuc = mo_integrals(mf)
+    ham = Hamiltonian(h1, eri, e_nuc, mol.n_alpha, mol.n_beta)
+    refs = reference_energies(mf, h1, eri, e_nuc, (mol.n_alpha, mol.n_beta), fci=fci, cc=cc, n_roots=n_roots)
+    return System(mol, ham, refs, mf)
