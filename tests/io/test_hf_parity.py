@@ -49,6 +49,7 @@ def _right_padded(vocab: int, T: int = 11):
 def _close(ours, theirs, mask):
     real = mask.bool()
     diff = (ours[real] - theirs[real]).abs().max().item()
+    print(f"PARITY max|diff| = {diff:.2e}")
     assert diff < TOL, diff
     return diff
 
