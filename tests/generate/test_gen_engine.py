@@ -1,0 +1,238 @@
+"""The engine: cached decoding equals recomputation; batching, padding, stopping, streaming, errors, HF parity."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gen_helpers import greedy_recompute, greedy_recompute_encdec, hf_llama_pair, tiny_decoder, tiny_encdec
+from scipy import stats
+
+from seqlab.generate import GenerationConfig, generate, generate_output, stream
+
+
+def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+PROMPTS = [[5, 9, 13, 2, 7, 31, 4], [11, 3], [40, 41, 42, 1, 17]]
+
+
+def test_greedy_with_cache_equals_recomputation_rope_gqa():
+    model = tiny_decoder()
+    ids = torch.tensor([PROMPTS[0]])
+    out = generate(model, ids, max_new_tokens=20)
+    assert torch.equal(out, greedy_recompute(model, ids, 20))
+
+
+def test_greedy_learned_positions_and_tied_embeddings():
+    model = tiny_decoder(seed=1, pos="learned", norm="layernorm", mlp="gelu", tie_embeddings=True, n_kv_heads=4)
+    ids = torch.tensor([PROMPTS[2]])
+    assert torch.equal(generate(model, ids, max_new_tokens=12), greedy_recompute(model, ids, 12))
+
+
+def test_left_padded_batch_equals_each_prompt_alone():
+    model = tiny_decoder(seed=2)
+    ids, mask = left_pad(PROMPTS)
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=15)
+    T = ids.shape[1]
+    assert torch.equal(out[:, :T], ids)  # the prompt comes back as given, padding included
+    for i, p in enumerate(PROMPTS):
+        alone = generate(model, torch.tensor([p]), max_new_tokens=15)
+        assert torch.equal(out[i, T:], alone[0, len(p):]), f"row {i}"
+        assert torch.equal(alone, greedy_recompute(model, torch.tensor([p]), 15))
+
+
+def test_right_padded_batch_equals_each_prompt_alone():
+    model = tiny_decoder(seed=3)
+    T = max(map(len, PROMPTS))
+    ids = torch.tensor([p + [0] * (T - len(p)) for p in PROMPTS])
+    mask = torch.tensor([[1] * len(p) + [0] * (T - len(p)) for p in PROMPTS])
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=10)
+    for i, p in enumerate(PROMPTS):
+        alone = generate(model, torch.tensor([p]), max_new_tokens=10)
+        assert torch.equal(out[i, T:], alone[0, len(p):]), f"row {i}"
+
+
+def test_encoder_decoder_greedy_with_cache_equals_recomputation():
+    model = tiny_encdec()
+    src, mask = left_pad([[3, 8, 9, 12, 30, 4], [7, 6, 5]], pad=1)
+    out = generate(model, src, attention_mask=mask, max_new_tokens=12, eos_token_id=[])
+    assert out[:, 0].tolist() == [2, 2]  # starts with the decoder start token, like HF
+    for i in range(2):
+        real = src[i][mask[i].bool()][None]
+        ref = greedy_recompute_encdec(model, real, 12)
+        assert torch.equal(out[i], ref[0]), f"row {i}"
+
+
+def test_eos_stops_rows_and_pads_after_it_and_compaction_changes_nothing():
+    model = tiny_decoder(seed=4)
+    ids, mask = left_pad(PROMPTS)
+    free = generate(model, ids, attention_mask=mask, max_new_tokens=16)
+    T = ids.shape[1]
+    eos = int(free[1, T + 3])  # a token that row 1 emits at step 3: make it EOS
+    out = generate(model, ids, attention_mask=mask, max_new_tokens=16, eos_token_id=eos)
+    out_nc = generate_output(model, ids, mask, GenerationConfig(max_new_tokens=16, eos_token_id=eos,
+                                                                 pad_token_id=47, compact_finished=False)).sequences
+    for i in range(3):
+        gen = free[i, T:].tolist()
+        stop = gen.index(eos) + 1 if eos in gen else len(gen)
+        row = out[i, T:].tolist()
+        assert row[:stop] == gen[:stop]
+        assert all(t == eos for t in row[stop:])  # no pad id configured: HF pads with EOS
+        row_nc = out_nc[i, T:].tolist()
+        assert row_nc[:stop] == gen[:stop] and all(t == 47 for t in row_nc[stop:])
+    assert out.shape[1] == T + max(
+        (free[i, T:].tolist().index(eos) + 1 if eos in free[i, T:].tolist() else 16) for i in range(3))
+
+
+def test_matches_hugging_face_generate_greedy_left_padded():
+    hf, model = hf_llama_pair(seed=5)
+    ids, mask = left_pad(PROMPTS)
+    ours = generate(model, ids, attention_mask=mask, max_new_tokens=12)
+    theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours, theirs)
+    eos = int(theirs[0, ids.shape[1] + 2])
+    ours = generate(model, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=eos)
+    theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=eos,
+                         pad_token_id=eos)
+    assert torch.equal(ours, theirs)
+
+
+def test_sampled_two_token_joint_distribution_matches_exact():
+    """Many copies of one prompt in one batch: the joint law of the first two sampled tokens (through the
+    cache) matches the product of the exactly warped conditionals computed without a cache."""
+    model = tiny_decoder(seed=6, vocab_size=6, init_std=0.5)
+    prompt = torch.tensor([[1, 4, 2]])
+    N, temp, top_k = 12000, 0.9, 4
+    out = generate(model, prompt.expand(N, -1), max_new_tokens=2, do_sample=True, temperature=temp, top_k=top_k,
+                   seed=11)
+    pairs = out[:, 3] * 6 + out[:, 4]
+    counts = np.bincount(pairs.numpy(), minlength=36)
+
+    def warped(logits):
+        z = logits.double() / temp
+        kth = z.topk(top_k).values[-1]
+        z = z.masked_fill(z < kth, float("-inf"))
+        return torch.softmax(z, -1)
+
+    with torch.no_grad():
+        p1 = warped(model(prompt)[0, -1])
+        cand = torch.cat([prompt.expand(6, -1), torch.arange(6)[:, None]], 1)
+        p2 = torch.stack([warped(row) for row in model(cand)[:, -1]])
+    joint = (p1[:, None] * p2).flatten().numpy()
+    assert counts[joint == 0].sum() == 0
+    keep = joint > 0
+    pval = stats.chisquare(counts[keep], joint[keep] / joint[keep].sum() * N).pvalue
+    assert pval > 1e-3, pval
+
+
+def test_seeded_sampling_is_reproducible_and_seed_matters():
+    model = tiny_decoder(seed=7)
+    ids = torch.tensor([PROMPTS[0]] * 4)
+    a = generate(model, ids, max_new_tokens=10, do_sample=True, top_p=0.9, seed=3)
+    b = generate(model, ids, max_new_tokens=10, do_sample=True, top_p=0.9, seed=3)
+    c = generate(model, ids, max_new_tokens=10, do_sample=True, top_p=0.9, seed=4)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert torch.equal(generate(model, ids, max_new_tokens=6, do_sample=True, temperature=0.0),
+                       generate(model, ids, max_new_tokens=6))  # temperature 0 is greedy
+
+
+def test_repetition_penalty_matches_hf():
+    hf, model = hf_llama_pair(seed=8)
+    ids, mask = left_pad(PROMPTS[:2])
+    ours = generate(model, ids, attention_mask=mask, max_new_tokens=10, repetition_penalty=1.8)
+    theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, repetition_penalty=1.8,
+                         pad_token_id=0)
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(ours, generate(model, ids, attention_mask=mask, max_new_tokens=10))
+
+
+class CharTokenizer:
+    """token id -> one character (ids >= 26 map to digits/punctuation); enough for stop strings and streaming."""
+
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 .,!?-+*/=:;@#$%"
+
+    def decode(self, ids):
+        return "".join(self.alphabet[i] for i in ids)
+
+
+def test_stream_yields_the_same_tokens_and_text_and_metrics():
+    model = tiny_decoder(seed=9)
+    ids, mask = left_pad(PROMPTS)
+    ref = generate(model, ids, attention_mask=mask, max_new_tokens=8)
+    s = stream(model, ids, mask, max_new_tokens=8, tokenizer=CharTokenizer())
+    pieces = [[] for _ in range(3)]
+    texts = ["" for _ in range(3)]
+    for chunk in s:
+        for r in range(3):
+            pieces[r] += chunk.tokens[r]
+            texts[r] += chunk.texts[r]
+    T = ids.shape[1]
+    assert [ref[r, T:].tolist() for r in range(3)] == pieces
+    assert texts == [CharTokenizer().decode(p) for p in pieces]
+    m = s.output.metrics
+    assert torch.equal(s.output.sequences, ref)
+    assert m.new_tokens == 24 and m.ttft_s > 0 and m.decode_tokens_per_s > 0 and m.total_s >= m.ttft_s
+    assert m.kv_cache_bytes == 2 * 2 * 3 * 2 * (T + 8) * 8 * 4 + 3 * (T + 8)  # K,V x layers x B x Hkv x slots x hd x fp32 + valid
+    assert m.peak_memory_bytes > 0
+
+
+def test_stop_strings():
+    model = tiny_decoder(seed=10)
+    ids = torch.tensor([PROMPTS[0]])
+    tok = CharTokenizer()
+    free = generate(model, ids, max_new_tokens=20)[0, 7:].tolist()
+    text = tok.decode(free)
+    stop = text[5:7]
+    cut = text.index(stop) + len(stop)  # first occurrence; with one char per token, tokens == chars
+    out = generate(model, ids, max_new_tokens=20, stop_strings=[stop], tokenizer=tok)
+    assert tok.decode(out[0, 7:].tolist()) == text[:cut]
+    with pytest.raises(ValueError, match="tokenizer"):
+        generate(model, ids, max_new_tokens=4, stop_strings=["x"])
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(top_p=0.0), r"GenerationConfig\.top_p must be in \(0, 1\]"),
+        (dict(top_p=1.01), r"top_p"),
+        (dict(temperature=-1.0), r"GenerationConfig\.temperature must be >= 0"),
+        (dict(top_k=-2), r"GenerationConfig\.top_k"),
+        (dict(min_p=1.5), r"GenerationConfig\.min_p"),
+        (dict(max_new_tokens=-1), r"GenerationConfig\.max_new_tokens"),
+        (dict(num_beams=0), r"GenerationConfig\.num_beams"),
+        (dict(num_beams=2, do_sample=True), r"beam search with sampling"),
+        (dict(repetition_penalty=-1.0), r"repetition_penalty"),
+    ],
+)
+def test_invalid_parameters_raise(kwargs, match):
+    model = tiny_decoder()
+    with pytest.raises(ValueError, match=match):
+        generate(model, torch.tensor([[1, 2, 3]]), **kwargs)
+
+
+def test_over_long_prompt_raises_or_truncates():
+    model = tiny_decoder(max_seq_len=16)
+    long = torch.arange(20)[None] % 48
+    with pytest.raises(ValueError, match=r"prompt of 20 tokens.*max_seq_len=16.*truncate_prompt"):
+        generate(model, long, max_new_tokens=4)
+    out = generate(model, long, max_new_tokens=4, truncate_prompt=True)
+    assert torch.equal(out, generate(model, long[:, -16:], max_new_tokens=4))
+    learned = tiny_decoder(pos="learned", max_seq_len=16)
+    with pytest.raises(ValueError, match=r"prompt of 12 tokens \+ max_new_tokens=8 = 20 exceeds"):
+        generate(learned, long[:, :12], max_new_tokens=8)
+    out = generate(learned, long[:, :12], max_new_tokens=8, truncate_prompt=True)
+    assert out.shape == (1, 16) and torch.equal(out[:, :8], long[:, 4:12])
+    with pytest.raises(ValueError, match="no real prompt tokens"):
+        generate(model, torch.tensor([[1, 2], [3, 4]]), attention_mask=torch.tensor([[1, 1], [0, 0]]))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate(model, torch.tensor([[1, 99]]))
+
+
+def test_max_new_tokens_zero_returns_prompt():
+    model = tiny_decoder()
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(generate(model, ids, max_new_tokens=0), ids)
