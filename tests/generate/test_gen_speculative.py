@@ -1,0 +1,115 @@
+"""Speculative decoding: exact acceptance rule, greedy equivalence, and the target's output distribution."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from gen_helpers import tiny_decoder, tiny_encdec
+from scipy import stats
+
+from seqlab.generate import GenerationConfig, generate, generate_output
+
+PROMPTS = [[5, 9, 13, 2, 7, 31, 4], [11, 3], [40, 41, 42, 1, 17]]
+
+
+def left_pad(prompts, pad=0):
+    T = max(map(len, prompts))
+    return (torch.tensor([[pad] * (T - len(p)) + p for p in prompts]),
+            torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts]))
+
+
+def test_draft_equal_to_target_accepts_every_token():
+    model = tiny_decoder(seed=30)
+    ids, mask = left_pad(PROMPTS)
+    for cfg in (GenerationConfig(max_new_tokens=17, do_sample=True, temperature=1.0, num_speculative_tokens=3),
+                GenerationConfig(max_new_tokens=17, num_speculative_tokens=5)):
+        out = generate_output(model, ids, mask, cfg, draft_model=model)
+        m = out.metrics
+        assert m.drafted_tokens > 0 and m.acceptance_rate == 1.0, m
+        assert m.new_tokens == 3 * 17
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_speculative_equals_greedy(k):
+    target, draft = tiny_decoder(seed=31), tiny_decoder(seed=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1)
+    ids, mask = left_pad(PROMPTS)
+    ref = generate(target, ids, attention_mask=mask, max_new_tokens=25)
+    out = generate_output(target, ids, mask, GenerationConfig(max_new_tokens=25, num_speculative_tokens=k),
+                          draft_model=draft)
+    assert torch.equal(out.sequences, ref)
+    assert 0.0 <= out.metrics.acceptance_rate < 1.0  # a different draft: some drafts are rejected
+    # with EOS: rows stop at the same place and are padded the same way
+    eos = int(ref[1, ids.shape[1] + 4])
+    ref = generate(target, ids, attention_mask=mask, max_new_tokens=25, eos_token_id=eos)
+    out = generate(target, ids, attention_mask=mask, max_new_tokens=25, eos_token_id=eos, draft_model=draft,
+                   num_speculative_tokens=k)
+    assert torch.equal(out, ref)
+
+
+def test_sampled_output_distribution_matches_target():
+    """N copies of one prompt decoded together (so rows accept different numbers of drafts and the per-row
+    cache rollback is exercised); the joint law of three new tokens must be the target's, not the draft's."""
+    V, temp, top_p = 5, 1.0, 0.95
+    target = tiny_decoder(seed=33, vocab_size=V, init_std=0.5)
+    draft = tiny_decoder(seed=34, vocab_size=V, init_std=0.5, d_model=16, n_layers=1)
+    prompt = [1, 3, 0, 2]
+    N = 12000
+    cfg = GenerationConfig(max_new_tokens=3, do_sample=True, temperature=temp, top_p=top_p,
+                           num_speculative_tokens=2, seed=5)
+    out = generate_output(target, torch.tensor([prompt] * N), None, cfg, draft_model=draft)
+    acc = out.metrics.acceptance_rate
+    assert 0.2 < acc < 0.95, acc  # both acceptance and rejection (residual resampling) happen
+    new = out.sequences[:, len(prompt):].numpy()
+    codes = (new * np.array([V * V, V, 1])).sum(1)
+    counts = np.bincount(codes, minlength=V ** 3)
+
+    def warped(model, ctx):
+        with torch.no_grad():
+            z = model(torch.tensor([ctx]))[0, -1].double() / temp
+        p = torch.softmax(z, -1)
+        sp, order = p.sort(descending=True)
+        before = sp.cumsum(0) - sp
+        n = max(int((before < top_p - 1e-9).sum()), 1)
+        p = torch.where(p >= sp[n - 1], p, torch.zeros_like(p))
+        return (p / p.sum()).numpy()
+
+    def joint(model):
+        probs = np.zeros(V ** 3)
+        p1 = warped(model, prompt)
+        for a in range(V):
+            p2 = warped(model, prompt + [a])
+            for b in range(V):
+                p3 = warped(model, prompt + [a, b])
+                for c in range(V):
+                    probs[a * V * V + b * V + c] = p1[a] * p2[b] * p3[c]
+        return probs
+
+    p_target, p_draft = joint(target), joint(draft)
+    assert counts[p_target == 0].sum() == 0
+
+    def pvalue(p):
+        big = p * N >= 5  # pool the rare cells so the chi-square approximation holds
+        obs = np.append(counts[big], counts[~big].sum())
+        exp = np.append(p[big], p[~big].sum()) * N
+        if (obs[exp == 0] > 0).any():
+            return 0.0  # draws where the model has no mass: certainly not this model
+        keep = exp > 0
+        return stats.chisquare(obs[keep], exp[keep]).pvalue
+
+    assert pvalue(p_target) > 1e-3
+    assert pvalue(p_draft) < 1e-6  # the test can tell the two models apart
+
+
+def test_speculative_errors():
+    target = tiny_decoder(seed=35)
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="share the tokenizer"):
+        generate(target, ids, draft_model=tiny_decoder(vocab_size=30))
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        generate(target, ids, draft_model=target, repetition_penalty=1.2)
+    with pytest.raises(ValueError, match="decoder-only"):
+        generate(tiny_encdec(), ids, draft_model=tiny_encdec())
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        generate(target, ids, draft_model=target, num_speculative_tokens=0)
