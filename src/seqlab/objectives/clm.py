@@ -21,18 +21,26 @@ from seqlab.objectives.base import BaseObjective
 from seqlab.objectives.loss import IGNORE_INDEX, ObjectiveOutput, count_bytes, token_cross_entropy
 
 
-def next_token_labels(labels: Tensor, document_ids: Tensor | None = None) -> Tensor:
-    """[B, T] unshifted labels -> [B, T-1] targets for logits[:, :-1]: target_i = labels_{i+1}."""
+def next_token_labels(labels: Tensor, document_ids: Tensor | None = None,
+                      attention_mask: Tensor | None = None) -> Tensor:
+    """[B, T] unshifted labels -> [B, T-1] targets for logits[:, :-1]: target_i = labels_{i+1}.
+
+    A target is dropped when the position that would predict it is padding (the first real token of a
+    left-padded row has no context, exactly as position 0 of an unpadded row) or belongs to another document.
+    """
     targets = labels[:, 1:]
+    if attention_mask is not None:
+        targets = targets.masked_fill(attention_mask[:, :-1] == 0, IGNORE_INDEX)
     if document_ids is not None:
         same = document_ids[:, 1:] == document_ids[:, :-1]
         targets = targets.masked_fill(~same, IGNORE_INDEX)
     return targets
 
 
-def causal_lm_loss(logits: Tensor, labels: Tensor, document_ids: Tensor | None = None) -> tuple[Tensor, int]:
+def causal_lm_loss(logits: Tensor, labels: Tensor, document_ids: Tensor | None = None,
+                   attention_mask: Tensor | None = None) -> tuple[Tensor, int]:
     """(sum of next-token CE, number of targets) for logits [B, T, V] and unshifted labels [B, T]."""
-    return token_cross_entropy(logits[:, :-1], next_token_labels(labels, document_ids))
+    return token_cross_entropy(logits[:, :-1], next_token_labels(labels, document_ids, attention_mask))
 
 
 def _as_example(e: Any) -> dict[str, Sequence[int]]:
@@ -65,7 +73,11 @@ class CausalLM(BaseObjective):
         return batch
 
     def num_targets(self, batch: dict[str, Tensor]) -> int:
-        return int((next_token_labels(batch["labels"], batch.get("document_ids")) != IGNORE_INDEX).sum())
+        return int((self.targets(batch) != IGNORE_INDEX).sum())
+
+    def targets(self, batch: dict[str, Tensor]) -> Tensor:
+        """[B, T-1] next-token targets of a collated batch."""
+        return next_token_labels(batch["labels"], batch.get("document_ids"), batch.get("attention_mask"))
 
     def forward(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
         if "document_ids" in batch:
@@ -74,6 +86,6 @@ class CausalLM(BaseObjective):
 
     def loss(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> ObjectiveOutput:
         logits = self.forward(model, batch)
-        targets = next_token_labels(batch["labels"], batch.get("document_ids"))
+        targets = self.targets(batch)
         loss_sum, n = token_cross_entropy(logits[:, :-1], targets)
-        return ObjectiveOutput(loss_sum, n, {"loss": float(loss_sum) / max(n, 1)}, count_bytes(targets, self.byte_table))
+        return ObjectiveOutput(loss_sum, n, {"loss": float(loss_sum.detach()) / max(n, 1)}, count_bytes(targets, self.byte_table))

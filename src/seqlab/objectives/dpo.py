@@ -96,7 +96,7 @@ class DPO(BaseObjective):
     # --- loss ------------------------------------------------------------------------------------------------
     def _logps(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
         logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])
-        return sequence_logprobs(logits[:, :-1], next_token_labels(batch["labels"]))
+        return sequence_logprobs(logits[:, :-1], next_token_labels(batch["labels"], attention_mask=batch["attention_mask"]))
 
     def loss(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> ObjectiveOutput:
         if self.reference is None:
@@ -111,7 +111,7 @@ class DPO(BaseObjective):
         losses, r_c, r_r = dpo_loss(logps[:B], logps[B:], ref[:B], ref[B:], self.beta)
         margin = r_c - r_r
         metrics = {
-            "loss": float(losses.mean()),
+            "loss": float(losses.detach().mean()),
             "reward_margin": float(margin.mean()),
             "accuracy": float((margin > 0).float().mean()),
             "reward_chosen": float(r_c.mean()),

@@ -86,7 +86,7 @@ class MaskedLM(BaseObjective):
     def loss(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> ObjectiveOutput:
         logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])
         loss_sum, n = token_cross_entropy(logits, batch["labels"])
-        return ObjectiveOutput(loss_sum, n, {"loss": float(loss_sum) / max(n, 1)},
+        return ObjectiveOutput(loss_sum, n, {"loss": float(loss_sum.detach()) / max(n, 1)},
                                count_bytes(batch["labels"], self.byte_table))
 
     def state_dict(self) -> dict[str, Any]:

@@ -61,6 +61,6 @@ class Seq2Seq(BaseObjective):
             correct = (logits.argmax(-1) == batch["labels"]) | ~valid
             token_acc = float(((logits.argmax(-1) == batch["labels"]) & valid).sum()) / max(n, 1)
             seq_acc = float(correct.all(-1).float().mean())
-        return ObjectiveOutput(loss_sum, n, {"loss": float(loss_sum) / max(n, 1), "token_accuracy": token_acc,
+        return ObjectiveOutput(loss_sum, n, {"loss": float(loss_sum.detach()) / max(n, 1), "token_accuracy": token_acc,
                                              "sequence_accuracy": seq_acc},
                                count_bytes(batch["labels"], self.byte_table))

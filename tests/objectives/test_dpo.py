@@ -1,0 +1,60 @@
+"""DPO: the loss on hand-computed numbers, response-only log-probs, and a frozen reference."""
+
+import math
+
+import torch
+
+from seqlab.data.chat import tokenize_preference
+from seqlab.objectives import DPO, dpo_loss
+from tests.objectives.helpers import TOK, tiny_model
+
+
+def test_loss_rewards_on_hand_computed_numbers():
+    pi_c, pi_r = torch.tensor([-5.0, -3.0]), torch.tensor([-7.0, -2.0])
+    ref_c, ref_r = torch.tensor([-6.0, -3.0]), torch.tensor([-6.5, -2.0])
+    losses, r_c, r_r = dpo_loss(pi_c, pi_r, ref_c, ref_r, beta=0.5)
+    # pair 0: z = 0.5 * ((-5 + 7) - (-6 + 6.5)) = 0.75 -> log(1 + e^-0.75); pair 1: z = 0 -> log 2
+    assert torch.allclose(losses, torch.tensor([0.38687100611489994, 0.6931471805599453]), atol=1e-7)
+    assert torch.allclose(r_c, torch.tensor([0.5, 0.0])) and torch.allclose(r_r, torch.tensor([-0.25, 0.0]))
+
+
+def _pairs():
+    return [
+        {"prompt": "What is 2 + 2?", "chosen": "2 + 2 = 4.", "rejected": "2 + 2 = 5."},
+        {"prompt": "Reverse: a b", "chosen": "b a", "rejected": "a b, reversed, is still a b"},
+        {"prompt": "Write May 3, 2001 in ISO format.", "chosen": "2001-05-03", "rejected": "2001-03-05"},
+    ]
+
+
+def test_response_logprobs_sum_only_response_tokens():
+    model = tiny_model()
+    obj = DPO(TOK, beta=0.1, reference=model)
+    batch = obj.collate(_pairs())
+    logps = obj._logps(model, batch)
+    for k, pair in enumerate(_pairs()):
+        ex = tokenize_preference(TOK, pair)
+        for row, key in ((k, "chosen_ids"), (k + 3, "rejected_ids")):
+            ids = torch.tensor([ex["prompt_ids"] + ex[key]])
+            lp = torch.log_softmax(model(ids)[0], -1)
+            P = len(ex["prompt_ids"])
+            manual = sum(lp[j - 1, ids[0, j]].item() for j in range(P, ids.shape[1]))
+            assert abs(logps[row].item() - manual) < 1e-3
+
+
+def test_policy_equal_to_reference_gives_log2_and_reference_stays_frozen():
+    model = tiny_model()
+    obj = DPO(TOK, beta=0.3)
+    obj.setup(model)
+    batch = obj.collate(_pairs())
+    out = obj.loss(model, batch)
+    assert out.n_targets == obj.num_targets(batch) == 3
+    assert abs(float(out.loss_sum.detach()) - 3 * math.log(2)) < 1e-5
+    assert out.metrics["reward_margin"] == 0.0 and out.metrics["accuracy"] == 0.0
+    out.loss_sum.backward()
+    assert all(p.grad is None for p in obj.reference.parameters())
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)
+    out2 = obj.loss(model, batch)  # the reference did not move with the policy
+    assert abs(float(out2.loss_sum.detach()) - 3 * math.log(2)) > 1e-6
