@@ -4,3 +4,6 @@ from seqlab.io.checkpoint import CheckpointError, load_pretrained, save_pretrain
 from seqlab.io.hf import convert_hf_state_dict, load_hf
 
 __all__ = ["CheckpointError", "convert_hf_state_dict", "load_hf", "load_pretrained", "save_pretrained"]
+from seqlab.io.gguf import GGUFError, load_gguf  # noqa: E402  (GGUF import; the `gguf` package is needed only when called)
+
+__all__ += ["GGUFError", "load_gguf"]
