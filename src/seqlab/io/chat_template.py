@@ -47,6 +47,61 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _TemplateDict:
+    """``dict(...)`` for templates, without exposing the ``dict`` type itself (no attribute tricks on the class)."""
+
+    def __call__(self, *args, **kwargs):
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs):
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+    """Jinja's ``namespace`` that refuses underscore attributes (no route to CPython internals)."""
+
+    def __init__(*args, **kwargs):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _TemplateNamespace._check_name(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check_name(name):
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore attributes ({name!r})")
+
+
+def _plain(value: Any) -> Any:
+    """Rebuild template inputs from plain JSON types, so a template only ever sees str/int/float/bool/list/dict.
+
+    Rich objects (numpy scalars, str subclasses, arbitrary classes) carry methods the sandbox does not know are
+    dangerous; anything that is not plain data becomes an inert ``<TypeName>`` placeholder.
+    """
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int.__int__(value)
+    if isinstance(value, float):
+        return float.__float__(value)
+    if isinstance(value, Mapping):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "shape", None) == ():
+        return _plain(value.item())  # numpy / torch scalars
+    return f"<{type(value).__name__}>"
+
+
 class _GenerationTag(Extension):
     """``{% generation %}...{% endgeneration %}``: HF uses it to mark assistant spans; here it renders its body."""
 
@@ -70,6 +125,8 @@ def compile_chat_template(template: str) -> jinja2.Template:
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.globals["dict"] = _TemplateDict()
+    env.globals["namespace"] = _TemplateNamespace
     try:
         return env.from_string(template)
     except jinja2.exceptions.TemplateSyntaxError as e:
@@ -86,7 +143,8 @@ def validate_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, A
             raise ChatTemplateError(f"messages[{i}]: missing string field 'role'")
         if "content" not in m and "tool_calls" not in m:
             raise ChatTemplateError(f"messages[{i}]: missing field 'content'")
-        out.append(dict(m))
+        # keys whose value is None are dropped (as HF does): templates handle a missing key, not a None one
+        out.append(_plain({k: v for k, v in m.items() if v is not None}))
     return out
 
 
@@ -96,7 +154,7 @@ def render_chat_template(
     add_generation_prompt: bool = False,
     **extra: Any,
 ) -> str:
-    """Render ``messages`` with ``template``; ``extra`` becomes template variables (bos_token, eos_token, tools...).
+    """Render ``messages`` with ``template``; ``extra`` becomes template variables (bos_token, eos_token, tools, documents...).
 
     ``add_generation_prompt=True`` appends the header that opens an assistant turn, so generation continues as the
     assistant. Errors raised by the template itself (``raise_exception``) come back as :class:`ChatTemplateError`.
@@ -104,8 +162,9 @@ def render_chat_template(
     if not isinstance(template, str) or not template:
         raise ChatTemplateError("no chat template: the model file does not define one (pass a template string)")
     compiled = compile_chat_template(template)
+    variables = {"tools": None, "documents": None, **{k: _plain(v) for k, v in extra.items()}}
     try:
-        return compiled.render(messages=validate_messages(messages), add_generation_prompt=add_generation_prompt, **extra)
+        return compiled.render(messages=validate_messages(messages), add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.exceptions.SecurityError as e:
         raise ChatTemplateError(f"chat template tried an unsafe operation: {e}") from e
     except jinja2.exceptions.TemplateError as e:
