@@ -33,6 +33,15 @@ class TrainConfig:
     out_dir: str = "runs/train"
     seed: int = 1337
 
+    # what to train on and with (see train/run.py); recorded so that eval/resume rebuild the same run
+    data: str | None = None  # None: the objective's embedded default (Shakespeare, synthetic tasks)
+    val_data: str | None = None  # None: the held-out split of ``data`` (or of the default)
+    tokenizer: str | None = None  # "byte" | "bpe[:N]" | path; None: bpe:2048 for clm/mlm, byte otherwise
+    preset: str = "small"  # model size, see train/presets.py
+    model: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides on top of the preset
+    init: str | None = None  # start from these weights (a checkpoint dir or a seqlab/HF model folder)
+    pack: bool = False  # clm: pack whole documents into rows with a document mask
+
     # data / batching
     seq_len: int = 128
     batch_size: int = 16  # micro-batch per rank
@@ -63,6 +72,7 @@ class TrainConfig:
 
     # evaluation, logging, checkpoints
     eval_interval: int = 200  # steps; 0 disables periodic eval (a final eval still runs)
+    eval_interval_s: float | None = None  # also evaluate every this many training seconds (wall-clock curves)
     eval_batches: int | None = None  # None: the whole validation split
     eval_batch_size: int | None = None
     log_interval: int = 10
@@ -128,7 +138,7 @@ class TrainConfig:
 
 # Fields that may change between a checkpoint and its resumption without breaking exactness.
 RESUME_MUTABLE = frozenset({
-    "out_dir", "max_steps", "max_time_s", "eval_interval", "eval_batches", "eval_batch_size", "log_interval",
+    "out_dir", "init", "val_data", "eval_interval_s", "max_steps", "max_time_s", "eval_interval", "eval_batches", "eval_batch_size", "log_interval",
     "ckpt_interval", "keep_last", "progress", "plot", "compile", "activation_checkpointing", "num_threads",
     "device",
 })

@@ -91,6 +91,15 @@ def broadcast_int(value: int, info: DistInfo, device: torch.device) -> int:
     return int(t.item())
 
 
+def broadcast_float(value: float, info: DistInfo, device: torch.device) -> float:
+    """Rank 0's value everywhere: decisions that depend on a clock (time budgets, timed evals) must agree."""
+    if not info.active:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0)
+    return float(t.item())
+
+
 def wrap_model(model: nn.Module, mode: str, info: DistInfo, device: torch.device) -> nn.Module:
     """DDP, or FSDP2 (``fully_shard`` on every block, then on the root). A no-op with one process."""
     if not info.active or mode == "none":

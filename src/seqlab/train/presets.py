@@ -27,7 +27,7 @@ def model_config(preset: str, arch: str, tokenizer, seq_len: int, **overrides: A
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     kw: dict[str, Any] = dict(PRESETS[preset])
     kw.update(arch=arch, vocab_size=tokenizer.vocab_size)
-    kw["max_seq_len"] = max(kw.get("max_seq_len", 0), seq_len + 1)
+    kw["max_seq_len"] = max(kw.get("max_seq_len", 0), seq_len)
     for name, attr in (("pad_token_id", "pad_id"), ("bos_token_id", "bos_id"), ("eos_token_id", "eos_id")):
         value = getattr(tokenizer, attr, None)
         if value is not None:

@@ -116,6 +116,8 @@ class Trainer:
         self.scaler = self.precision.grad_scaler()
 
         self.raw_model = model.to(self.device)
+        if hasattr(objective, "setup"):  # e.g. DPO snapshots its frozen reference; before any resume load
+            objective.setup(self.raw_model)
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.raw_model)
         self.model = D.wrap_model(self.raw_model, cfg.parallel if self.dist.active else "none", self.dist, self.device)
@@ -198,8 +200,11 @@ class Trainer:
                 "last_eval": self.last_eval,
             }
             extra = {}
-            if self._model_config_dict() is not None:
-                extra["config.json"] = (json.dumps(self._model_config_dict(), indent=1, sort_keys=True) + "\n").encode()
+            if self._model_config_dict() is not None:  # the seqlab.io model format: load_pretrained(ckpt_dir) works
+                import seqlab
+
+                doc = {"format": "seqlab", "seqlab_version": seqlab.__version__, "config": self._model_config_dict()}
+                extra["config.json"] = (json.dumps(doc, indent=2) + "\n").encode()
             if (self.out_dir / "tokenizer.json").is_file():
                 extra["tokenizer.json"] = (self.out_dir / "tokenizer.json").read_bytes()
             path = ckpt.save_checkpoint(self.ckpt_root, self.step, model_sd, optim_sd, state, self.cfg.keep_last,
@@ -379,6 +384,8 @@ class Trainer:
         window_tokens, window_time = 0, 0.0
         t_start = time.perf_counter()
         stopped = False
+        if cfg.eval_interval_s is not None:
+            self._next_timed_eval = (math.floor(self.train_seconds / cfg.eval_interval_s) + 1) * cfg.eval_interval_s
         try:
             while not self._done():
                 t0 = time.perf_counter()
@@ -387,13 +394,19 @@ class Trainer:
                     torch.cuda.synchronize(self.device)
                 dt = time.perf_counter() - t0
                 self.train_seconds += dt
+                if self.dist.active and (cfg.max_time_s is not None or cfg.eval_interval_s is not None):
+                    self.train_seconds = D.broadcast_float(self.train_seconds, self.dist, self._coll_device)
                 window_tokens += record["step_tokens"]
                 window_time += dt
                 last_loss = record["loss"]
                 losses.append(last_loss)
                 final = self._done()
+                timed = cfg.eval_interval_s is not None and self.train_seconds >= self._next_timed_eval
+                if timed:
+                    while self._next_timed_eval <= self.train_seconds:
+                        self._next_timed_eval += cfg.eval_interval_s
                 do_eval = self.val_data is not None and (
-                    (cfg.eval_interval and self.step % cfg.eval_interval == 0) or final)
+                    (cfg.eval_interval and self.step % cfg.eval_interval == 0) or final or timed)
                 do_log = self.step % cfg.log_interval == 0 or do_eval or final or self.step == 1
                 if do_eval:
                     self.last_eval = self.evaluate()

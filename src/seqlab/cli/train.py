@@ -1,0 +1,185 @@
+"""``seqlab train | eval | demo``: training jobs on the command line.
+
+    seqlab train --objective clm --preset small --out runs/clm            # embedded Shakespeare, BPE
+    seqlab train --objective sft --data chats.jsonl --out runs/sft --max-steps 500
+    seqlab train --out runs/clm --resume                                  # continue from the latest checkpoint
+    torchrun --nproc_per_node 2 -m seqlab train --out runs/ddp ...        # DDP (gloo on CPU)
+    seqlab eval runs/clm                                                  # loss, perplexity, bits per byte
+    seqlab demo --out runs/demo                                           # what `make demo` runs
+
+Every training option defaults to "not given": with ``--resume`` the run's saved configuration is reused and
+only the options given on the command line change (those that would break exact resumption are refused).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+OBJECTIVES = ("clm", "mlm", "seq2seq", "sft", "dpo")
+
+# (flag, TrainConfig field, type, help)
+_TRAIN_OPTIONS = [
+    ("--data", "data", str, "training data file (default: the objective's embedded data)"),
+    ("--val-data", "val_data", str, "validation data file (default: the held-out split of --data)"),
+    ("--tokenizer", "tokenizer", str, "byte | bpe | bpe:<vocab> | path/to/tokenizer.json (default: bpe:2048 for "
+                                      "clm/mlm, byte otherwise)"),
+    ("--preset", "preset", str, "model size: tiny | small | demo | base | gpt2 (default small)"),
+    ("--init", "init", str, "start from these weights (a run/checkpoint dir or a model folder), e.g. SFT before DPO"),
+    ("--seq-len", "seq_len", int, "tokens per row (default 128)"),
+    ("--batch-size", "batch_size", int, "sequences per micro-batch per process (default 16)"),
+    ("--grad-accum", "grad_accum", int, "micro-batches per optimizer step (default 1)"),
+    ("--max-steps", "max_steps", int, "optimizer steps (default 1000)"),
+    ("--max-time", "max_time_s", float, "training-time budget in seconds; the cosine schedule follows it"),
+    ("--lr", "lr", float, "peak learning rate (default 3e-3)"),
+    ("--min-lr-ratio", "min_lr_ratio", float, "final lr as a fraction of the peak (default 0.1)"),
+    ("--warmup-steps", "warmup_steps", int, "linear warmup steps (default 100)"),
+    ("--warmup-frac", "warmup_frac", float, "warmup as a fraction of training instead of steps"),
+    ("--schedule", "schedule", str, "cosine | constant"),
+    ("--weight-decay", "weight_decay", float, "AdamW weight decay on matrices (default 0.1)"),
+    ("--grad-clip", "grad_clip", float, "clip the global gradient norm (default 1.0)"),
+    ("--precision", "precision", str, "auto | fp32 | bf16 | fp16 (default auto: the fast one for the device)"),
+    ("--device", "device", str, "auto | cpu | cuda[:N]"),
+    ("--threads", "num_threads", int, "torch CPU threads"),
+    ("--parallel", "parallel", str, "ddp | fsdp (under torchrun; default ddp)"),
+    ("--eval-interval", "eval_interval", int, "evaluate every N steps (0: only at the end)"),
+    ("--eval-batches", "eval_batches", int, "batches per evaluation (default: the whole split)"),
+    ("--log-interval", "log_interval", int, "write metrics every N steps (default 10)"),
+    ("--ckpt-interval", "ckpt_interval", int, "checkpoint every N steps (0: only at the end)"),
+    ("--keep-last", "keep_last", int, "checkpoints to keep (default 3)"),
+    ("--seed", "seed", int, "random seed (default 1337)"),
+]
+
+
+def _key_value(text: str) -> tuple[str, object]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    k, v = text.split("=", 1)
+    try:
+        value = json.loads(v)
+    except json.JSONDecodeError:
+        value = v
+    return k.strip(), value
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a model with one of the objectives",
+                       description="Train clm | mlm | seq2seq | sft | dpo. Writes OUT/metrics.jsonl, "
+                                   "OUT/checkpoints/step_*/ and OUT/loss_curve.png.")
+    p.add_argument("--objective", choices=OBJECTIVES, default=None, help="training objective (default clm)")
+    p.add_argument("--out", required=True, help="run directory")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT")
+    for flag, dest, typ, hlp in _TRAIN_OPTIONS:
+        p.add_argument(flag, dest=dest, type=typ, default=None, help=hlp)
+    p.add_argument("--model", dest="model", type=_key_value, action="append", default=None, metavar="KEY=VALUE",
+                   help="ModelConfig override on top of the preset, e.g. --model d_model=192 (repeatable)")
+    p.add_argument("--objective-arg", dest="objective_kwargs", type=_key_value, action="append", default=None,
+                   metavar="KEY=VALUE", help="objective option, e.g. --objective-arg beta=0.2 (repeatable)")
+    p.add_argument("--pack", action="store_const", const=True, default=None, help="clm: pack documents into rows")
+    p.add_argument("--compile", action="store_const", const=True, default=None, help="torch.compile the model")
+    p.add_argument("--activation-checkpointing", action="store_const", const=True, default=None,
+                   help="recompute each block in the backward pass (less memory, ~30%% more compute)")
+    p.add_argument("--no-progress", dest="progress", action="store_const", const=False, default=None,
+                   help="no progress bar")
+    p.add_argument("--debug", action="store_true", help="show full tracebacks")
+    p.set_defaults(func=run_train)
+
+    e = sub.add_parser("eval", help="evaluate a trained checkpoint (loss, perplexity, bits per byte)",
+                       description="Evaluate a run directory (its latest checkpoint) or a checkpoint directory.")
+    e.add_argument("checkpoint", help="run directory or checkpoints/step_* directory")
+    e.add_argument("--data", default=None, help="evaluate on this file (default: the run's held-out split)")
+    e.add_argument("--split", default="validation", help="train | validation (default validation)")
+    e.add_argument("--batch-size", type=int, default=None)
+    e.add_argument("--max-batches", type=int, default=None)
+    e.add_argument("--device", default="cpu")
+    e.add_argument("--precision", default="fp32", help="fp32 | bf16 | auto")
+    e.add_argument("--json", dest="json_out", default=None, help="also write the results to this JSON file")
+    e.add_argument("--debug", action="store_true")
+    e.set_defaults(func=run_eval)
+
+    d = sub.add_parser("demo", help="train a small LM on the embedded Shakespeare, evaluate, sample",
+                       description="The main job end to end: BPE, a time-budgeted causal LM, bits per byte on the "
+                                   "held-out play, samples. Writes OUT/summary.json.")
+    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--time", type=float, default=300.0, help="training budget in seconds (default 300)")
+    d.add_argument("--seed", type=int, default=1337)
+    d.add_argument("--samples", type=int, default=3)
+    d.add_argument("--max-new-tokens", type=int, default=120)
+    d.add_argument("--preset", default=None, help="override the tuned model size")
+    d.add_argument("--threads", dest="num_threads", type=int, default=None)
+    d.add_argument("--precision", default=None)
+    d.add_argument("--no-progress", dest="progress", action="store_false")
+    d.add_argument("--debug", action="store_true")
+    d.set_defaults(func=run_demo)
+
+
+def _given(args: argparse.Namespace) -> dict:
+    fields = [dest for _, dest, _, _ in _TRAIN_OPTIONS] + ["objective", "pack", "compile", "activation_checkpointing",
+                                                           "progress"]
+    out = {k: getattr(args, k) for k in fields if getattr(args, k, None) is not None}
+    for k in ("model", "objective_kwargs"):
+        if getattr(args, k, None):
+            out[k] = dict(getattr(args, k))
+    return out
+
+
+def make_config(args: argparse.Namespace):
+    """TrainConfig from the command line; with --resume, from OUT/config.json updated by the given options."""
+    from seqlab.train.config import TrainConfig
+
+    given = _given(args)
+    saved = Path(args.out) / "config.json"
+    if args.resume and saved.is_file():
+        base = json.loads(saved.read_text())["train"]
+        base.update(given)
+        base["out_dir"] = args.out
+        return TrainConfig.from_dict(base)
+    return TrainConfig(out_dir=args.out, **given)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from seqlab.train.run import build_run
+    from seqlab.train.trainer import Trainer
+
+    cfg = make_config(args)
+    run = build_run(cfg)
+    trainer = Trainer(cfg, run.model, run.objective, run.train_data, run.val_data, tokenizer=run.tokenizer,
+                      resume=args.resume)
+    try:
+        result = trainer.fit()
+    finally:
+        trainer.close()
+    if trainer.dist.is_main:
+        ev = " ".join(f"{k}={v:.4g}" for k, v in result.eval.items() if isinstance(v, float))
+        print(f"[seqlab] step {result.step} loss {result.loss:.4f} {ev} "
+              f"({result.tokens_seen:,} tokens in {result.train_seconds:.1f} s) -> {result.checkpoint}")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from seqlab.train.evaluate import evaluate_checkpoint
+
+    res = evaluate_checkpoint(args.checkpoint, data=args.data, split=args.split, batch_size=args.batch_size,
+                              max_batches=args.max_batches, device=args.device, precision=args.precision)
+    for k in ("loss", "perplexity", "bits_per_token", "bits_per_byte", "n_targets", "n_bytes"):
+        if k in res:
+            v = res[k]
+            print(f"{k:>15}: {v:.4f}" if isinstance(v, float) else f"{k:>15}: {v}")
+    print(f"{'checkpoint':>15}: {res['checkpoint']} ({res['objective']}, {res['data']}, split={res['split']})")
+    if args.json_out:
+        from seqlab.train.checkpoint import atomic_write_text
+
+        atomic_write_text(Path(args.json_out), json.dumps(res, indent=2) + "\n")
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from seqlab.train.demo import run_demo as demo
+
+    overrides = {k: v for k, v in (("preset", args.preset), ("num_threads", args.num_threads),
+                                   ("precision", args.precision)) if v is not None}
+    s = demo(out_dir=args.out, train_seconds=args.time, seed=args.seed, samples=args.samples,
+             max_new_tokens=args.max_new_tokens, progress=args.progress and sys.stderr.isatty(), **overrides)
+    return 0 if s.get("val_bits_per_byte") is not None else 1

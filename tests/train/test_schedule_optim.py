@@ -1,0 +1,52 @@
+import math
+
+import pytest
+import torch
+
+from seqlab.train import TrainConfig, TrainConfigError
+from seqlab.train.optim import build_optimizer, param_groups
+from seqlab.train.schedule import LRSchedule
+from tests.train.conftest import tiny_model
+
+
+def test_warmup_then_cosine_to_floor():
+    cfg = TrainConfig(max_steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
+    s = LRSchedule(cfg)
+    assert s(0) == pytest.approx(1 / 11)
+    assert s(9) == pytest.approx(10 / 11)
+    assert s(10) == pytest.approx(1.0)  # cosine starts at the peak
+    assert s(55) == pytest.approx(0.1 + 0.5 * (1 + math.cos(math.pi * 0.5)) * 0.9)
+    assert s(100) == pytest.approx(0.1)
+    lrs = [s(i) for i in range(10, 101)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:]))  # monotone decay after warmup
+
+
+def test_time_budget_drives_progress():
+    cfg = TrainConfig(max_steps=10**6, max_time_s=100.0, warmup_frac=0.1, lr=1.0, min_lr_ratio=0.0)
+    s = LRSchedule(cfg)
+    assert s.progress(5, 50.0) == pytest.approx(0.5)
+    assert s(5, 5.0) == pytest.approx(0.5)  # halfway through the warmup fraction
+    assert s(5, 55.0) == pytest.approx(0.5)  # cosine midpoint: (55-10)/90 = 0.5
+    assert s(5, 100.0) == pytest.approx(0.0)
+
+
+def test_no_decay_on_vectors_and_tied_weights_counted_once(tok):
+    model = tiny_model(tok)  # tied embeddings
+    groups = param_groups(model, 0.1)
+    decay, no_decay = groups
+    assert all(p.dim() >= 2 for p in decay["params"]) and all(p.dim() < 2 for p in no_decay["params"])
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == len({id(p) for p in model.parameters()})
+    assert any("norm" in n for n in no_decay["names"])
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.1))
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(TrainConfigError, match="TrainConfig.batch_size"):
+        TrainConfig(batch_size=0)
+    with pytest.raises(TrainConfigError, match="TrainConfig.precision"):
+        TrainConfig(precision="fp8")
+    with pytest.raises(TrainConfigError, match="unknown field"):
+        TrainConfig.from_dict({"learning_rate": 1.0})
