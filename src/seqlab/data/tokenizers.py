@@ -122,13 +122,14 @@ class ByteTokenizer(Tokenizer):
         super().__init__({s: 256 + i for i, s in enumerate(specials)}, PAD, BOS, EOS, MASK)
         self._special_re = re.compile("(" + "|".join(re.escape(s) for s in specials) + ")") if specials else None
         self._id_to_special = {v: k for k, v in self.special_tokens.items()}
+        self._special_starts = {s[0] for s in specials}
 
     @property
     def vocab_size(self) -> int:
         return 256 + len(self.special_tokens)
 
     def encode(self, text: str) -> list[int]:
-        if self._special_re is None:
+        if self._special_re is None or not any(c in text for c in self._special_starts):  # fast path, no regex
             return list(text.encode("utf-8"))
         ids: list[int] = []
         for i, part in enumerate(self._special_re.split(text)):
@@ -186,6 +187,10 @@ class HFTokenizer(Tokenizer):
 
     def __init__(self, tok, name: str = "hf", pad: str | None = None, bos: str | None = None, eos: str | None = None,
                  mask: str | None = None, chat_template: str | None = None, eot_token: str | None = None):
+        # A tokenizer.json may carry padding/truncation settings (e.g. pad every encode to 128): batching is the
+        # collator's job here, so switch them off as transformers does.
+        tok.no_padding()
+        tok.no_truncation()
         self._tok = tok
         self.name = name
         specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items() if t.special}

@@ -1,0 +1,57 @@
+"""Packing documents into rows with document ids gives the same loss as one document per padded row."""
+
+import pytest
+import torch
+
+from seqlab.data.packing import PAD_DOCUMENT, pack_documents, packing_efficiency
+from seqlab.objectives import CausalLM
+from tests.objectives.helpers import TOK, tiny_model
+
+DOCS = ["Is this a dagger which I see before me,", "The handle toward my hand?", "Come, let me clutch thee.",
+        "I have thee not,", "and yet I see thee still.", "Art thou not, fatal vision, sensible",
+        "To feeling as to sight?"]
+
+
+def _docs():
+    return [[TOK.bos_id] + TOK.encode(d) + [TOK.eos_id] for d in DOCS]
+
+
+def test_pack_layout():
+    docs = _docs()
+    rows = pack_documents(docs, 64, TOK.pad_id)
+    assert all(len(r["input_ids"]) == len(r["document_ids"]) == 64 for r in rows)
+    assert len(rows) < len(docs)
+    found = []
+    for r in rows:
+        ids, doc = r["input_ids"], r["document_ids"]
+        k = 0
+        while k < 64 and doc[k] != PAD_DOCUMENT:
+            j = k
+            while j < 64 and doc[j] == doc[k]:
+                j += 1
+            found.append(ids[k:j])
+            k = j
+        assert all(d == PAD_DOCUMENT for d in doc[k:]) and all(t == TOK.pad_id for t in ids[k:])
+        assert [d for d in doc if d >= 0] == sorted(d for d in doc if d >= 0)  # ids count up within a row
+    assert sorted(map(tuple, found)) == sorted(map(tuple, docs))  # every document exactly once, unsplit
+    assert packing_efficiency(rows) == sum(map(len, docs)) / (64 * len(rows))
+    long = pack_documents([list(range(150))], 64, 0)  # longer than a row: cut into row-sized pieces
+    assert [sum(d >= 0 for d in r["document_ids"]) for r in long] == [64, 64, 22]
+
+
+@pytest.mark.parametrize("pos", ["rope", "learned"])
+def test_packed_loss_equals_unpacked(pos):
+    model = tiny_model(pos=pos, seed=2)
+    obj = CausalLM(TOK)
+    docs = _docs()
+    unpacked = obj.loss(model, obj.collate(docs))
+    packed_batch = obj.collate(pack_documents(docs, 80, TOK.pad_id))
+    assert packed_batch["input_ids"].shape[0] < len(docs)
+    packed = obj.loss(model, packed_batch)
+    assert packed.n_targets == unpacked.n_targets == sum(len(d) - 1 for d in docs)
+    a, b = float(packed.loss_sum.detach()), float(unpacked.loss_sum.detach())
+    assert abs(a - b) <= 1e-6 * abs(b)  # fp32 summation order only
+    # without the document mask the rows would leak context across documents: the loss changes
+    leaky = dict(packed_batch)
+    leaky.pop("document_ids")
+    assert abs(float(obj.loss(model, leaky).loss_sum.detach()) - b) > 1e-3 * abs(b)

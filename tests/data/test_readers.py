@@ -1,0 +1,91 @@
+"""Every malformed input gives one clear DataError naming the file and the line."""
+
+import json
+
+import pytest
+
+from seqlab.data import DataError, build_dataset
+from seqlab.data.readers import read_documents, read_preferences, read_seq2seq, read_sft
+from tests.objectives.helpers import TOK
+
+
+def _write(tmp_path, name, content):
+    p = tmp_path / name
+    p.write_bytes(content if isinstance(content, bytes) else content.encode("utf-8"))
+    return p
+
+
+def _jsonl(*objs):
+    return "\n".join(o if isinstance(o, str) else json.dumps(o) for o in objs) + "\n"
+
+
+GOOD_CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+
+
+@pytest.mark.parametrize("reader, name, content, message", [
+    (read_seq2seq, "s.jsonl", _jsonl({"source": "a", "target": "b"}, '{"source": "a", "target": }'),
+     r"s.jsonl:2: invalid JSON: Expecting value \(column 27\)"),
+    (read_seq2seq, "s.jsonl", _jsonl({"source": "a", "target": "b"}, "", {"source": "x"}),
+     r"s.jsonl:3: missing field 'target' \(have \['source'\]\)"),
+    (read_seq2seq, "s.jsonl", _jsonl({"source": "a", "target": 5}), r"s.jsonl:1: field 'target' must be a string"),
+    (read_seq2seq, "s.jsonl", _jsonl([1, 2]), r"s.jsonl:1: expected a JSON object, got list"),
+    (read_seq2seq, "empty.jsonl", "", r"empty.jsonl: file is empty"),
+    (read_seq2seq, "blank.jsonl", "\n  \n", r"blank.jsonl: file is empty"),
+    (read_documents, "empty.txt", "", r"empty.txt: file is empty"),
+    (read_documents, "latin1.txt", "line one\nline two\ncaf\xe9\n".encode("latin-1"),
+     r"latin1.txt:3: not valid UTF-8 \(byte 0xe9 at offset 21\)"),
+    (read_sft, "latin1.jsonl", b'{"messages": []}\n{"messages": "\xff"}\n', r"latin1.jsonl:2: not valid UTF-8"),
+    (read_documents, "d.jsonl", _jsonl({"text": "ok"}, {"txt": "typo"}), r"d.jsonl:2: missing field 'text'"),
+    (read_sft, "c.jsonl", _jsonl(GOOD_CHAT, {"msgs": []}), r"c.jsonl:2: missing field 'messages'"),
+    (read_sft, "c.jsonl", _jsonl({"messages": [{"role": "robot", "content": "x"}]}),
+     r"c.jsonl:1: messages\[0\]\.role is 'robot'"),
+    (read_sft, "c.jsonl", _jsonl({"messages": [{"role": "user", "content": "x"}]}),
+     r"c.jsonl:1: 'messages' has no assistant message"),
+    (read_sft, "c.jsonl", _jsonl({"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}),
+     r"c.jsonl:1: messages\[0\] is missing field 'content'"),
+    (read_sft, "c.jsonl", _jsonl({"messages": [{"role": "user", "content": "x"},
+                                               {"role": "assistant", "tool_calls": [{"arguments": {}}]}]}),
+     r"c.jsonl:1: messages\[1\]\.tool_calls\[0\] needs 'name' and 'arguments'"),
+    (read_preferences, "p.jsonl", _jsonl({"prompt": "q", "chosen": "a"}), r"p.jsonl:1: missing field 'rejected'"),
+    (read_preferences, "p.jsonl", _jsonl({"prompt": "q", "chosen": "", "rejected": "b"}),
+     r"p.jsonl:1: field 'chosen' is empty"),
+])
+def test_bad_input_names_file_and_line(tmp_path, reader, name, content, message):
+    path = _write(tmp_path, name, content)
+    with pytest.raises(DataError, match=message) as info:
+        reader(path)
+    assert str(path) in str(info.value)
+    assert isinstance(info.value, ValueError)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(DataError, match="nope.txt: file not found"):
+        read_documents(tmp_path / "nope.txt")
+
+
+def test_good_files_and_split_rule(tmp_path):
+    rows = [{"source": f"s{i}", "target": f"t{i}"} for i in range(40)]
+    path = _write(tmp_path, "pairs.jsonl", _jsonl(*rows))
+    train = build_dataset("seq2seq", path, TOK, 32, "train")
+    val = build_dataset("seq2seq", path, TOK, 32, "validation")
+    assert len(train) == 38 and len(val) == 2  # every 20th example is held out
+    assert TOK.decode(val[0]["source_ids"]) == "s19" and TOK.decode(val[1]["target_ids"]) == "t39"
+    assert len(build_dataset("seq2seq", path, TOK, 32, "all")) == 40
+
+    chat = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"type": "function", "function": {"name": "calc", "arguments": {"e": "2+2"}}}]},
+                         {"role": "tool", "content": "4"}, {"role": "assistant", "content": "4"}]}
+    sft = build_dataset("sft", _write(tmp_path, "chat.jsonl", _jsonl(chat, GOOD_CHAT)), TOK, 256, "all")
+    assert len(sft) == 2 and any(l != -100 for l in sft[0]["labels"])
+
+    prefs = _write(tmp_path, "p.jsonl", _jsonl({"prompt": [{"role": "user", "content": "q"}], "chosen": "a",
+                                                 "rejected": "b"}, {"prompt": "q2", "chosen": "c", "rejected": "d"}))
+    dpo = build_dataset("dpo", prefs, TOK, 64, "train")
+    assert len(dpo) == 1 and TOK.decode(dpo[0]["chosen_ids"], skip_special_tokens=False) == "a<|im_end|>"
+
+    text = "\n".join(f"line {i}" for i in range(1000)) + "\n"
+    txt = _write(tmp_path, "plain.txt", text)
+    tr, va = build_dataset("clm", txt, TOK, 64, "train"), build_dataset("clm", txt, TOK, 64, "validation")
+    assert tr.info["n_tokens"] + va.info["n_tokens"] == len(text) + 2  # one EOS after each part
+    assert TOK.decode(va[0]).startswith("line 9")  # the last ~5 %, cut at a line break
