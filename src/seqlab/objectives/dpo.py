@@ -60,6 +60,8 @@ class DPO(BaseObjective):
         if beta <= 0:
             raise ValueError(f"DPO beta must be positive, got {beta}")
         self.beta, self.max_len, self.template = beta, max_len, template
+        if template is not None:
+            tokenizer.chat_template = template  # as in SFT: datasets tokenise with the tokenizer's template
         self.reference = None
         if reference is not None:
             self.set_reference(reference)

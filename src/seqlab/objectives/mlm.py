@@ -61,7 +61,7 @@ class MaskedLM(BaseObjective):
         self.mask_prob, self.mask_frac, self.random_frac = mask_prob, mask_frac, random_frac
         self.seed = seed
         self.calls = 0
-        specials = set(tokenizer.special_ids) | {self.pad_id}
+        specials = set(tokenizer.special_ids) | ({tokenizer.pad_id} if tokenizer.pad_id is not None else set())
         self.special = torch.tensor(sorted(specials), dtype=torch.long)
         self.random_pool = torch.tensor([i for i in range(tokenizer.vocab_size) if i not in specials], dtype=torch.long)
 

@@ -24,6 +24,9 @@ class SFT(CausalLM):
 
     def __init__(self, tokenizer: Any, padding_side: str = "right", template: str | None = None):
         super().__init__(tokenizer, padding_side)
+        if template is not None:
+            # The template belongs to the tokenizer: datasets and generation read it there, so set it once.
+            tokenizer.chat_template = template
         self.template = template
 
     def tokenize(self, messages: Sequence[dict], max_len: int | None = None) -> dict[str, list[int]]:
