@@ -1,0 +1,34 @@
+"""torchrun --nproc_per_node 2 (gloo) gives the same losses as one process with the same global batch."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from seqlab.data import ByteTokenizer
+from tests.train.conftest import make_trainer, windows
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path):
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests" / "train" / "ddp_worker.py"), str(tmp_path), "ddp,fsdp"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads((tmp_path / "losses.json").read_text())
+
+    data = windows(ByteTokenizer(), ragged=True)  # ranks see different padding: normalisation must be global
+    single = make_trainer(tmp_path, out="single", data=data, steps=3, batch_size=2, grad_accum=2).fit()
+    for mode in ("ddp", "fsdp"):
+        assert res[mode]["world"] == 2
+        assert len(res[mode]["losses"]) == 3
+        for a, b in zip(single.losses, res[mode]["losses"]):
+            assert abs(a - b) < 1e-5, (mode, single.losses, res[mode]["losses"])
+        assert Path(res[mode]["checkpoint"]).name == "step_00000003"  # rank 0 wrote the final checkpoint
