@@ -44,7 +44,7 @@ def _gather(x: Tensor, idx: Tensor) -> Tensor:
 
 def beam_search(model, prep, cfg: GenerationConfig, metrics: GenerationMetrics) -> tuple[Tensor, Tensor]:
     """Returns (new tokens of the best hypothesis [B, n], its length-penalised score [B])."""
-    from seqlab.generate.engine import decode_step, decoder_start_token_id, prefill
+    from seqlab.generate.engine import decoder_start_token_id, prefill, step_fn
 
     device = prep.input_ids.device
     B, T = prep.input_ids.shape
@@ -87,10 +87,11 @@ def beam_search(model, prep, cfg: GenerationConfig, metrics: GenerationMetrics) 
     top_mask = torch.arange(n_keep, device=device) < K
     row_offset = torch.arange(B, device=device)[:, None] * K
     steps = 0
+    step = step_fn(model, cfg.compile)
 
     for t in range(max_new):
         if t > 0:
-            logits = decode_step(model, next_tokens.view(-1), cache, pos_ids)
+            logits = step(next_tokens.view(-1), cache, pos_ids)
             pos_ids += 1
             steps += 1
         logp = torch.log_softmax(logits.float(), dim=-1)

@@ -41,6 +41,7 @@ class GenerationConfig:
 
     truncate_prompt: bool = False  # keep the last tokens of an over-long prompt instead of raising
     compact_finished: bool = True  # drop finished rows from the batch (and the cache) so they stop costing compute
+    compile: bool = False  # torch.compile the decode step (seqlab.generate.engine.compiled_decode_step)
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str) -> ValueError:

@@ -17,6 +17,8 @@ costing compute. The output keeps the Hugging Face layout: prompt as given, then
 """
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -81,6 +83,28 @@ def decode_step(model, tokens: Tensor, cache, position_ids: Tensor | None = None
     else:
         h = model.body(ids, position_ids=position_ids, cache=cache)
     return model.head(h[:, -1])
+
+
+_COMPILED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def compiled_decode_step(model):
+    """``decode_step`` under ``torch.compile`` for this model (compiled once, reused by every request).
+
+    Shapes are marked dynamic from the start (the cache's filled length grows every step), so one compilation
+    serves every step and batch size. Worth it when per-step Python/dispatch overhead is a large part of the step
+    (small models, CPU); the first request pays the compilation (tens of seconds).
+    """
+    fn = _COMPILED.get(model)
+    if fn is None:
+        fn = torch.compile(functools.partial(decode_step, model), dynamic=True)
+        _COMPILED[model] = fn
+    return fn
+
+
+def step_fn(model, use_compile: bool):
+    """The decode step a loop should call: ``fn(tokens, cache, position_ids) -> logits``."""
+    return compiled_decode_step(model) if use_compile else functools.partial(decode_step, model)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -263,9 +287,10 @@ def _sample_loop(model, prep: Prepared, cfg: GenerationConfig, tokenizer, metric
         raise ValueError("GenerationConfig.stop_strings needs a tokenizer (pass tokenizer=...)")
     new_tokens = 0
     steps = 0
+    step_call = step_fn(model, cfg.compile)
     for step in range(max_new):
         if step > 0:
-            logits = decode_step(model, tok, cache, pos_ids)
+            logits = step_call(tok, cache, pos_ids)
             pos_ids += 1
             steps += 1
         tok = proc.select(logits, seen, gen)
@@ -342,7 +367,9 @@ def _run(model, input_ids, attention_mask, cfg: GenerationConfig, draft_model=No
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        # inference_mode skips autograd bookkeeping on every small op of the decode loop; the returned tensors
+        # are cloned outside it below, so callers may use them in autograd later (e.g. as training inputs).
+        with torch.inference_mode():
             if cfg.max_new_tokens == 0:
                 new = torch.empty(prep.input_ids.shape[0], 0, dtype=torch.long, device=device)
                 scores = None
@@ -367,6 +394,8 @@ def _run(model, input_ids, attention_mask, cfg: GenerationConfig, draft_model=No
         sequences = torch.cat([start, new], dim=1)
     else:
         sequences = torch.cat([prep.input_ids, new], dim=1)
+    sequences = sequences.clone()  # a normal tensor (new/scores were created under inference_mode)
+    scores = scores.clone() if scores is not None else None
     metrics.total_s = timing.now(device) - t0
     metrics.peak_memory_bytes = timing.peak_memory_bytes(device)
     return GenerationOutput(sequences, metrics, scores)

@@ -1,0 +1,203 @@
+"""Decode benchmark: seqlab vs Hugging Face ``generate`` on the same weights, and the weight-streaming bound.
+
+Used by ``bench/generate_decode.py`` and ``seqlab bench``. Everything is measured in one process, interleaved
+(HF, seqlab, HF, seqlab, ...) and summarised by the median, because the machine is shared and only ratios taken
+in the same run mean anything.
+
+* decode tok/s: ``new / (t(1 + new tokens) - t(1 token))`` for both libraries, i.e. the prefill and the first
+  token are subtracted out the same way, so per-step overhead is all that differs.
+* TTFT: a 512-token prompt, ``max_new_tokens=1``.
+* weight bound: every weight matrix of the model applied to one activation row (``F.linear``), back to back,
+  in the model's dtype: the time a decode step would take if it did nothing but stream the weights once.
+  ``decode time / bound`` is then the fraction of each step spent on anything else (1.0 = perfect).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class BenchConfig:
+    vocab_size: int = 32000
+    d_model: int = 512
+    n_layers: int = 6
+    n_heads: int = 8
+    n_kv_heads: int = 8
+    d_ff: int = 1408  # the Llama rule for d=512: 2/3 * 4d rounded up to a multiple of 64
+    dtypes: tuple[str, ...] = ("fp32", "bf16")
+    batches: tuple[int, ...] = (1, 8)
+    decode_prompt_len: int = 32
+    new_tokens: int = 64
+    ttft_prompt_len: int = 512
+    repeats: int = 3
+    compare_hf: bool = True
+    compile: bool = False
+    seed: int = 0
+    threads: int | None = None
+
+
+@dataclass
+class BenchRow:
+    dtype: str
+    batch: int
+    impl: str
+    decode_tok_s: float
+    ms_per_step: float
+    bound_ms: float = 0.0
+    frac_of_bound: float = 0.0  # bound / step time: 1.0 = nothing but weight streaming
+    samples: list[float] = field(default_factory=list)
+
+
+def build_models(bc: BenchConfig, dtype: torch.dtype, with_hf: bool):
+    """A random Llama-style model as HF ``LlamaForCausalLM`` and the same weights imported into seqlab."""
+    from seqlab.config import ModelConfig
+    from seqlab.model import build_model
+
+    torch.manual_seed(bc.seed)
+    if with_hf:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        from seqlab.io.checkpoint import load_state_into
+        from seqlab.io.hf import convert_hf_state_dict
+
+        hcfg = LlamaConfig(vocab_size=bc.vocab_size, hidden_size=bc.d_model, intermediate_size=bc.d_ff,
+                           num_hidden_layers=bc.n_layers, num_attention_heads=bc.n_heads,
+                           num_key_value_heads=bc.n_kv_heads, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                           tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+        hf = LlamaForCausalLM(hcfg).eval()
+        cfg, state = convert_hf_state_dict(hf.config.to_dict(), hf.state_dict())
+        model = build_model(cfg)
+        load_state_into(model, state, "bench")
+        return model.to(dtype).eval(), hf.to(dtype).eval()
+    cfg = ModelConfig(vocab_size=bc.vocab_size, d_model=bc.d_model, n_layers=bc.n_layers, n_heads=bc.n_heads,
+                      n_kv_heads=bc.n_kv_heads, d_ff=bc.d_ff, max_seq_len=4096, tie_embeddings=False)
+    return build_model(cfg).to(dtype).eval(), None
+
+
+def weight_matrices(model) -> list[torch.Tensor]:
+    """Every weight a decode step multiplies by (linear layers incl. the LM head; not the embedding lookup)."""
+    return [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+@torch.no_grad()
+def weight_bound_ms(model, batch: int, repeats: int = 20) -> float:
+    weights = weight_matrices(model)
+    dtype = weights[0].dtype
+    xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
+    for w in weights:  # warm up
+        F.linear(xs[w.shape[1]], w)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for w in weights:
+            F.linear(xs[w.shape[1]], w)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run_benchmark(bc: BenchConfig, log=print) -> dict:
+    from seqlab.generate import GenerationConfig, generate_output
+
+    if bc.threads:
+        torch.set_num_threads(bc.threads)
+    results: dict = {"config": asdict(bc), "torch": torch.__version__, "threads": torch.get_num_threads(),
+                     "rows": [], "ttft": []}
+    for dname in bc.dtypes:
+        dtype = DTYPES[dname]
+        model, hf = build_models(bc, dtype, bc.compare_hf)
+        g = torch.Generator().manual_seed(bc.seed)
+        for batch in bc.batches:
+            ids = torch.randint(0, bc.vocab_size, (batch, bc.decode_prompt_len), generator=g)
+            n = bc.new_tokens
+
+            def ours(k, compiled=False):
+                cfg = GenerationConfig(max_new_tokens=k, eos_token_id=[], compile=compiled)
+                return lambda: generate_output(model, ids, None, cfg).sequences
+
+            def ours_compiled(k):
+                return ours(k, compiled=True)
+
+            def theirs(k):
+                return lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k,
+                                           min_new_tokens=k, do_sample=False, pad_token_id=0)
+
+            impls = {"seqlab": ours}
+            if bc.compile:
+                impls["seqlab+compile"] = ours_compiled
+            if hf is not None:
+                impls["hf"] = theirs
+            outs = {}
+            for name, fn in impls.items():  # warm-up (and compilation); keep the tokens to compare
+                t0 = time.perf_counter()
+                outs[name] = fn(n + 1)()
+                fn(1)()
+                log(f"{dname:5s} batch {batch:2d} {name}: warm-up {time.perf_counter() - t0:.1f} s")
+            for name, seq in outs.items():
+                same = (seq == outs["seqlab"]).all(dim=1).float().mean().item()
+                results.setdefault("agreement", []).append(
+                    {"dtype": dname, "batch": batch, "impl": name, "rows_identical_to_seqlab_eager": same})
+                if name != "seqlab":
+                    log(f"{dname:5s} batch {batch:2d} {name}: {same:.0%} of rows token-identical to seqlab eager")
+            samples: dict[str, list[float]] = {k: [] for k in impls}
+            for _ in range(bc.repeats):
+                for name, fn in impls.items():
+                    t_full, t_one = _time(fn(n + 1)), _time(fn(1))
+                    samples[name].append((t_full - t_one) / n)  # seconds per decode step
+            bound = weight_bound_ms(model, batch)
+            for name, s in samples.items():  # noqa: B007
+                step = statistics.median(s)
+                row = BenchRow(dname, batch, name, batch / step, step * 1e3, bound, bound / (step * 1e3),
+                               [x * 1e3 for x in s])
+                results["rows"].append(asdict(row))
+                log(f"{dname:5s} batch {batch:2d} {name:7s}: {row.decode_tok_s:8.1f} tok/s  "
+                    f"{row.ms_per_step:6.2f} ms/step  bound {bound:5.2f} ms  ({row.frac_of_bound:.0%} of bound)")
+        # TTFT for a long prompt, batch 1
+        ids = torch.randint(0, bc.vocab_size, (1, bc.ttft_prompt_len), generator=g)
+        ttft: dict[str, list[float]] = {"seqlab": []}
+        if hf is not None:
+            ttft["hf"] = []
+        for _ in range(bc.repeats):
+            ttft["seqlab"].append(_time(lambda: generate_output(model, ids, None,
+                                                                GenerationConfig(max_new_tokens=1, eos_token_id=[]))))
+            if hf is not None:
+                ttft["hf"].append(_time(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids),
+                                                            max_new_tokens=1, do_sample=False, pad_token_id=0)))
+        for name, s in ttft.items():
+            results["ttft"].append({"dtype": dname, "impl": name, "prompt_len": bc.ttft_prompt_len,
+                                    "ttft_ms": statistics.median(s) * 1e3, "samples_ms": [x * 1e3 for x in s]})
+            log(f"{dname:5s} TTFT {bc.ttft_prompt_len}-token prompt {name:7s}: {statistics.median(s) * 1e3:7.1f} ms")
+        del model, hf
+    return results
+
+
+def ratio_table(results: dict) -> str:
+    """Markdown table: per dtype and batch, both implementations, the speed-up and the fraction of the bound."""
+    rows = {(r["dtype"], r["batch"], r["impl"]): r for r in results["rows"]}
+    lines = ["| dtype | batch | impl | tok/s | ms/step | vs HF | weight bound ms/step | bound / step |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (dt, b, impl), r in rows.items():
+        h = rows.get((dt, b, "hf"))
+        ratio = f"{r['decode_tok_s'] / h['decode_tok_s']:.2f}x" if h else "-"
+        lines.append(f"| {dt} | {b} | {impl} | {r['decode_tok_s']:.1f} | {r['ms_per_step']:.2f} | {ratio} | "
+                     f"{r['bound_ms']:.2f} | {r['frac_of_bound']:.0%} |")
+    lines.append("")
+    lines.append("| dtype | TTFT seqlab ms | TTFT HF ms |")
+    lines.append("|---|---|---|")
+    t = {(x["dtype"], x["impl"]): x["ttft_ms"] for x in results["ttft"]}
+    for dt in dict.fromkeys(x["dtype"] for x in results["ttft"]):
+        hf_t = t.get((dt, "hf"))
+        lines.append(f"| {dt} | {t[(dt, 'seqlab')]:.1f} | {hf_t:.1f} |" if hf_t else f"| {dt} | {t[(dt, 'seqlab')]:.1f} | - |")
+    return "\n".join(lines)
