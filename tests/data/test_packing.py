@@ -1,7 +1,6 @@
 """Packing documents into rows with document ids gives the same loss as one document per padded row."""
 
 import pytest
-import torch
 
 from seqlab.data.packing import PAD_DOCUMENT, pack_documents, packing_efficiency
 from seqlab.objectives import CausalLM

@@ -2,7 +2,6 @@
 
 import math
 
-import torch
 
 from seqlab.data import build_dataset
 from seqlab.eval.metrics import bits_per_byte, evaluate, perplexity

@@ -1,6 +1,5 @@
 """Seq2seq teacher forcing: decoder input [BOS]+y, labels y+[EOS], padding masked everywhere."""
 
-import torch
 
 from seqlab.objectives import IGNORE_INDEX, Seq2Seq
 from tests.objectives.helpers import TOK, tiny_model

@@ -37,7 +37,8 @@ def render_with_spans(tokenizer: Any, messages: Sequence[dict], template: str | 
     template = template or tokenizer.chat_template
     if not template:
         raise ValueError(f"tokenizer {getattr(tokenizer, 'name', '?')!r} has no chat template; pass one")
-    extra = {"bos_token": _special_str(tokenizer, tokenizer.bos_id), "eos_token": _special_str(tokenizer, tokenizer.eos_id)}
+    extra = {"bos_token": _special_str(tokenizer, tokenizer.bos_id),
+             "eos_token": _special_str(tokenizer, tokenizer.eos_id)}
     render = lambda msgs, gen=False: render_chat_template(template, msgs, add_generation_prompt=gen, **extra)
     messages = list(messages)
     full = render(messages)

@@ -163,7 +163,7 @@ class ByteTokenizer(Tokenizer):
 @lru_cache(maxsize=1)
 def _byte_level_decoder_table() -> dict[str, int]:
     """GPT-2's printable-unicode alias of every byte, inverted (char -> byte)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):

@@ -88,4 +88,5 @@ class CausalLM(BaseObjective):
         logits = self.forward(model, batch)
         targets = self.targets(batch)
         loss_sum, n = token_cross_entropy(logits[:, :-1], targets)
-        return ObjectiveOutput(loss_sum, n, {"loss": float(loss_sum.detach()) / max(n, 1)}, count_bytes(targets, self.byte_table))
+        return ObjectiveOutput(loss_sum, n, {"loss": float(loss_sum.detach()) / max(n, 1)},
+                               count_bytes(targets, self.byte_table))

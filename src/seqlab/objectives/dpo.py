@@ -98,7 +98,8 @@ class DPO(BaseObjective):
     # --- loss ------------------------------------------------------------------------------------------------
     def _logps(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
         logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])
-        return sequence_logprobs(logits[:, :-1], next_token_labels(batch["labels"], attention_mask=batch["attention_mask"]))
+        targets = next_token_labels(batch["labels"], attention_mask=batch["attention_mask"])
+        return sequence_logprobs(logits[:, :-1], targets)
 
     def loss(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> ObjectiveOutput:
         if self.reference is None:

@@ -11,7 +11,7 @@ resumed run draws the same masks as an uninterrupted one.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
