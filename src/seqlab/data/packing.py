@@ -7,11 +7,13 @@ documents) and restarts positions at each document start, and the CLM shift drop
 a document boundary. ``tests/data/test_packing.py`` checks the loss equals the unpacked batch.
 
 Documents are never split across rows (a split document would restart its positions mid-text and lose context);
-documents longer than a row are cut into row-sized chunks first. Placement is first-fit-decreasing, deterministic.
+documents longer than a row are cut into row-sized chunks first. Placement is best-fit decreasing (O(n log n)),
+deterministic.
 """
 
 from __future__ import annotations
 
+import bisect
 from typing import Sequence
 
 PAD_DOCUMENT = -1
@@ -32,16 +34,20 @@ def pack_documents(docs: Sequence[Sequence[int]], seq_len: int, pad_id: int) -> 
     order = sorted(range(len(pieces)), key=lambda i: (-len(pieces[i]), i))  # stable: ties keep input order
     rows: list[list[list[int]]] = []
     free: list[int] = []
+    open_rows: list[tuple[int, int]] = []  # sorted (free space, row index) of rows with room left
     for i in order:
         p = pieces[i]
-        for r, space in enumerate(free):
-            if len(p) <= space:
-                rows[r].append(p)
-                free[r] -= len(p)
-                break
+        k = bisect.bisect_left(open_rows, (len(p), -1))  # best fit: the tightest row that still holds p
+        if k < len(open_rows):
+            space, r = open_rows.pop(k)
         else:
-            rows.append([p])
-            free.append(seq_len - len(p))
+            r, space = len(rows), seq_len
+            rows.append([])
+            free.append(seq_len)
+        rows[r].append(p)
+        free[r] = space - len(p)
+        if free[r] > 0:
+            bisect.insort(open_rows, (free[r], r))
     out = []
     for row, space in zip(rows, free):
         ids = [t for p in row for t in p] + [pad_id] * space
