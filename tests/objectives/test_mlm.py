@@ -90,3 +90,17 @@ def test_loss_only_at_picked_positions():
     picked = batch["labels"] != IGNORE_INDEX
     manual = torch.nn.functional.cross_entropy(logits[picked], batch["labels"][picked], reduction="sum")
     assert abs(float(out.loss_sum.detach()) - float(manual.detach())) < 1e-4
+
+
+def test_evaluation_masks_repeat_and_leave_training_stream_alone():
+    rows = _rows(6)
+    obj, ref = MaskedLM(TOK, seed=5), MaskedLM(TOK, seed=5)
+    first = obj.collate(rows)
+    with obj.evaluating():
+        e1 = obj.collate(rows)
+    with obj.evaluating():
+        e2 = obj.collate(rows)
+    assert torch.equal(e1["input_ids"], e2["input_ids"])
+    ref.collate(rows)
+    assert torch.equal(obj.collate(rows)["input_ids"], ref.collate(rows)["input_ids"])
+    assert not torch.equal(first["labels"], e1["labels"])

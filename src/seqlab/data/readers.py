@@ -64,7 +64,7 @@ def read_jsonl(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
         except json.JSONDecodeError as e:
             raise DataError(path, lineno, f"invalid JSON: {e.msg} (column {e.colno})") from None
         if not isinstance(obj, dict):
-            raise DataError(path, lineno, f"expected a JSON object, got {type(obj).__name__}")
+            raise DataError(path, lineno, f"expected a JSON object (one per line, JSONL), got {type(obj).__name__}")
         out.append((lineno, obj))
     if not out:
         raise DataError(path, None, "file is empty (no text or examples)")

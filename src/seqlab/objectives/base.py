@@ -11,14 +11,17 @@ Optional hooks with no-op defaults in :class:`BaseObjective`:
 - ``setup(model)``: called once after the model is built/initialised and *before* a resume checkpoint is loaded
   (DPO snapshots its frozen reference policy here);
 - ``state_dict()`` / ``load_state_dict(d)``: RNG position of objectives that draw randomness at collate time
-  (MLM), saved with checkpoints so a resumed run masks exactly as the uninterrupted one.
+  (MLM), saved with checkpoints so a resumed run masks exactly as the uninterrupted one;
+- ``evaluating()``: a context manager to wrap an evaluation pass in; MLM then draws the *same* masks at every
+  evaluation (comparable validation losses) without moving the training RNG.
 
 Objectives call the model only through ``model(...)`` (its ``forward``), so DDP/FSDP wrappers see every pass.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+import contextlib
+from typing import Any, Iterator, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -61,6 +64,10 @@ class BaseObjective:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        yield
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

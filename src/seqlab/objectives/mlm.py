@@ -11,7 +11,8 @@ resumed run draws the same masks as an uninterrupted one.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -88,6 +89,17 @@ class MaskedLM(BaseObjective):
         loss_sum, n = token_cross_entropy(logits, batch["labels"])
         return ObjectiveOutput(loss_sum, n, {"loss": float(loss_sum.detach()) / max(n, 1)},
                                count_bytes(batch["labels"], self.byte_table))
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Evaluation masks: a separate, restarting RNG stream, so every evaluation scores the same positions and
+        the training stream continues as if no evaluation had happened."""
+        saved_calls, saved_seed = self.calls, self.seed
+        self.calls, self.seed = 0, self.seed + 0x5EED
+        try:
+            yield
+        finally:
+            self.calls, self.seed = saved_calls, saved_seed
 
     def state_dict(self) -> dict[str, Any]:
         return {"calls": self.calls}
