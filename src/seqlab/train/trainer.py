@@ -276,7 +276,8 @@ class Trainer:
         D.all_reduce_sum(counts, self.dist)
         n_targets, n_tokens = float(counts[0]), int(counts[1])
         if n_targets <= 0:
-            raise RuntimeError(f"step {self.step + 1}: the global batch has no valid targets (all labels ignored?)")
+            raise RuntimeError(f"step {self.step + 1}: the global batch has no valid targets (every label is ignored; "
+                               f"are the answers cut off by seq_len={cfg.seq_len}? try a larger --seq-len)")
         lr = self.schedule(self.step, self.train_seconds)
         self._set_lr(lr)
         scale = self.dist.world_size / n_targets

@@ -1,0 +1,77 @@
+"""CLI smoke: `seqlab train` (every objective), `--resume`, `seqlab eval`, `seqlab demo`, with tiny presets."""
+
+import json
+
+import pytest
+
+from seqlab.cli import main
+from tests.train.conftest import TEXT
+
+TINY = ["--preset", "tiny", "--batch-size", "4", "--seq-len", "32", "--no-progress", "--log-interval", "1",
+        "--eval-batches", "2", "--warmup-steps", "1"]
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    p = tmp_path / "plays.txt"
+    p.write_text(TEXT * 3)
+    return p
+
+
+def _metrics(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_resume_eval(tmp_path, text_file, capsys):
+    run = tmp_path / "clm"
+    args = ["train", "--objective", "clm", "--data", str(text_file), "--tokenizer", "byte", "--out", str(run),
+            "--ckpt-interval", "2", *TINY]
+    assert main([*args, "--max-steps", "4"]) == 0
+    recs = _metrics(run)
+    assert [r["step"] for r in recs] == [1, 2, 3, 4]
+    assert all({"step", "loss", "lr", "tokens_per_s"} <= r.keys() for r in recs)
+    assert "val_bpb" in recs[-1]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000002", "step_00000004"]
+    assert (run / "loss_curve.png").stat().st_size > 1000
+
+    assert main(["train", "--out", str(run), "--resume", "--max-steps", "6", "--no-progress"]) == 0
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3, 4, 5, 6]
+    assert (run / "checkpoints" / "step_00000006").is_dir()
+
+    capsys.readouterr()
+    assert main(["eval", str(run), "--json", str(tmp_path / "eval.json")]) == 0
+    out = capsys.readouterr().out
+    assert "bits_per_byte" in out and "step_00000006" in out
+    res = json.loads((tmp_path / "eval.json").read_text())
+    assert res["bits_per_byte"] == pytest.approx(_metrics(run)[-1]["val_bpb"], rel=1e-5)
+
+
+@pytest.mark.parametrize("objective", ["mlm", "seq2seq", "sft", "dpo"])
+def test_every_objective_trains_from_the_cli(tmp_path, text_file, objective):
+    run = tmp_path / objective
+    extra = ["--data", str(text_file), "--tokenizer", "byte"] if objective == "mlm" else ["--seq-len", "256"]
+    assert main(["train", "--objective", objective, "--out", str(run), "--max-steps", "2", *TINY, *extra]) == 0
+    recs = _metrics(run)
+    assert recs[-1]["step"] == 2 and recs[-1]["loss"] is not None and "val_loss" in recs[-1]
+    state = json.loads((run / "checkpoints" / "step_00000002" / "state.json").read_text())
+    assert state["train_config"]["objective"] == objective
+
+
+def test_bad_data_file_gives_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"source": "a", "target": "b"}\n{"source": "a"\n')
+    code = main(["train", "--objective", "seq2seq", "--data", str(bad), "--out", str(tmp_path / "r"), *TINY])
+    assert code == 2
+    assert f"{bad}:2" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_writes_summary(tmp_path):
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "--time", "3", "--preset", "tiny", "--samples", "1",
+                 "--max-new-tokens", "8", "--no-progress"]) == 0
+    s = json.loads((out / "summary.json").read_text())
+    for key in ("val_bits_per_byte", "val_loss", "train_seconds", "tokens_seen", "samples"):
+        assert key in s
+    assert 0 < s["val_bits_per_byte"] < 16 and s["tokens_seen"] > 0 and s["train_seconds"] >= 3
+    assert s["samples"][0]["prompt"] and isinstance(s["samples"][0]["completion"], str)
