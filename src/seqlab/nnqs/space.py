@@ -87,15 +87,14 @@ def all_configurations(n_orb: int, n_alpha: int, n_beta: int) -> Tensor:
     return tokens[torch.argsort(keys)]
 
 
-def valid_token_mask(alpha_left: Tensor, beta_left: Tensor, orbitals_left: int) -> Tensor:
-    """[B] remaining electrons, ``orbitals_left`` orbitals still to fill (including this one) -> [B, 4] bool.
+def valid_token_mask(alpha_left: Tensor, beta_left: Tensor, orbitals_left: Tensor | int) -> Tensor:
+    """Remaining electrons [...] and orbitals still to fill (this one included, broadcastable) -> [..., 4] bool.
 
     A token is valid when it takes no more electrons of a spin than remain, and leaves no more electrons of a spin
     than the ``orbitals_left - 1`` later orbitals can hold. Masking with this before the softmax makes every
     sample conserve N_alpha and N_beta, so no probability is wasted on unphysical configurations.
     """
     tok = torch.arange(N_PAIR_TOKENS, device=alpha_left.device)
-    ta, tb = (tok & 1)[None, :], (tok >> 1)[None, :]
-    ra, rb = alpha_left[:, None] - ta, beta_left[:, None] - tb
-    later = orbitals_left - 1
+    ra, rb = alpha_left[..., None] - (tok & 1), beta_left[..., None] - (tok >> 1)
+    later = torch.as_tensor(orbitals_left, device=alpha_left.device)[..., None] - 1
     return (ra >= 0) & (rb >= 0) & (ra <= later) & (rb <= later)

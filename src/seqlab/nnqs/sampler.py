@@ -1,0 +1,160 @@
+"""Batched autoregressive sampling with unique prefixes and counts, on the decoder's KV cache.
+
+Instead of drawing N_s sequences one by one, the sampler walks the tree of prefixes once (NNQS-Transformer,
+QiankunNet, NAQS): each unique prefix carries how many of the N_s samples pass through it; at orbital i its
+count is split multinomially over the four pair tokens by P(t_i | prefix), zero counts are dropped, and the
+surviving (prefix, token) pairs become the next level. N_s can be 10^12 at no extra cost: the work is proportional
+to the number of *unique* prefixes. The output is the set of unique configurations with their counts.
+
+KV cache: the decoder reads a prefix one token at a time (``generate.engine.prefill`` for BOS, then
+``decode_step``), exactly like text generation. When prefixes branch, ``cache.reorder(parent)`` copies each parent's
+keys/values to its children, so nothing is recomputed. ``use_cache=False`` re-runs the whole prefix at every
+orbital, for comparison (bench/nnqs_speed.py) and as a correctness check (the probabilities must agree).
+
+Memory: when the number of unique prefixes exceeds ``max_batch``, the level is cut into chunks that are finished
+depth-first, one after the other, so at most about ``max_batch`` rows (and their caches) are alive per level.
+
+Distributed: every rank walks the same top of the tree with the same seed until there are at least
+``split_rows_per_rank * world_size`` prefixes; then the prefixes are cut into ``world_size`` contiguous groups of
+about equal count and each rank finishes only its own group with its own random stream. Together the ranks hold
+exactly one sample tree of N_s samples.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from seqlab.generate.engine import decode_step, prefill
+from seqlab.nnqs.ansatz import BOS, Wavefunction
+
+
+@dataclass
+class SamplerConfig:
+    use_cache: bool = True
+    max_batch: int = 65536  # unique prefixes processed together before the level is chunked
+    split_rows_per_rank: int = 8  # distributed: shared prefix tree until this many prefixes per rank
+
+
+@dataclass
+class Samples:
+    tokens: Tensor  # [U, n_orb] int64 unique configurations (this rank's share)
+    counts: Tensor  # [U] int64, summing to this rank's share of N_s
+    n_total: int  # N_s over all ranks
+
+
+@dataclass
+class _Level:
+    prefix: Tensor  # [U, i]
+    counts: Tensor  # [U] float64 (exact integers up to 2^53)
+    cache: object | None
+    shared: bool  # still identical on every rank
+
+
+def multinomial_split(counts: Tensor, probs: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Split each row's count over the 4 tokens: a multinomial draw built from chained binomials.
+
+    The last token with nonzero probability takes whatever remains, so round-off in the conditional probabilities
+    can never push a count onto a masked (invalid) token.
+    """
+    U, K = probs.shape
+    out = torch.zeros(U, K, dtype=torch.float64, device=counts.device)
+    remaining = counts.clone()
+    mass = torch.ones(U, dtype=torch.float64, device=counts.device)
+    k_idx = torch.arange(K, device=counts.device)
+    last = torch.where(probs > 0, k_idx, -1).max(dim=1).values
+    for k in range(K):
+        pk = probs[:, k]
+        q = torch.where(mass > 0, pk / mass.clamp_min(1e-300), torch.zeros_like(pk)).clamp(0.0, 1.0)
+        q = torch.where(last == k, torch.ones_like(q), q)
+        q = torch.where(last < k, torch.zeros_like(q), q)
+        nk = torch.binomial(remaining, q, generator=generator) if bool((remaining > 0).any()) else remaining * 0
+        nk = torch.minimum(nk, remaining)
+        out[:, k] = nk
+        remaining = remaining - nk
+        mass = mass - pk
+    return out
+
+
+def _take_rows(level: _Level, rows: Tensor, shared: bool) -> _Level:
+    cache = None
+    if level.cache is not None:
+        # reorder() mutates the cache; a shallow copy lets several chunks select from one parent cache
+        cache = copy.copy(level.cache)
+        cache.reorder(rows)
+    return _Level(level.prefix[rows], level.counts[rows], cache, shared)
+
+
+def _rank_groups(counts: Tensor, world_size: int) -> Tensor:
+    """Contiguous groups of roughly equal total count: group id per row."""
+    mid = torch.cumsum(counts, 0) - 0.5 * counts
+    return (mid / counts.sum() * world_size).floor().long().clamp(0, world_size - 1)
+
+
+@torch.no_grad()
+def sample(
+    wf: Wavefunction,
+    n_samples: int,
+    generator: torch.Generator | None = None,
+    cfg: SamplerConfig | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    local_generator: torch.Generator | None = None,
+) -> Samples:
+    """Draw ``n_samples`` configurations from P(x); returns unique configurations with counts (this rank's share).
+
+    ``generator`` must be seeded identically on all ranks; ``local_generator`` (distinct per rank) drives the part
+    of the tree each rank finishes alone.
+    """
+    cfg = cfg or SamplerConfig()
+    if n_samples < 1 or n_samples > 2**53:
+        raise ValueError(f"n_samples must be in [1, 2^53], got {n_samples}")
+    if world_size > 1 and local_generator is None:
+        raise ValueError("distributed sampling needs a per-rank local_generator")
+    dev = next(wf.parameters()).device
+    n = wf.n_orb
+    dec = wf.decoder
+    counts0 = torch.tensor([float(n_samples)], dtype=torch.float64, device=dev)
+    cache0 = dec.new_cache(1, n) if cfg.use_cache else None
+    stack = [_Level(torch.zeros(1, 0, dtype=torch.long, device=dev), counts0, cache0, world_size > 1)]
+    done_tokens, done_counts = [], []
+    while stack:
+        lv = stack.pop()
+        i = lv.prefix.shape[1]
+        if i == n:
+            if lv.shared:  # the tree never got wide enough to split early: split the leaves
+                lv = _take_rows(lv, torch.nonzero(_rank_groups(lv.counts, world_size) == rank).flatten(), False)
+            done_tokens.append(lv.prefix)
+            done_counts.append(lv.counts)
+            continue
+        U = lv.prefix.shape[0]
+        if cfg.use_cache:
+            if i == 0:
+                logits = prefill(dec, torch.full((U, 1), BOS, dtype=torch.long, device=dev), lv.cache)
+            else:
+                logits = decode_step(dec, lv.prefix[:, -1], lv.cache)
+        else:
+            ids = torch.cat((torch.full((U, 1), BOS, dtype=torch.long, device=dev), lv.prefix), 1)
+            logits = dec(ids)[:, -1]
+        n_a = (lv.prefix & 1).sum(1)
+        n_b = (lv.prefix >> 1).sum(1)
+        logp = wf.masked_log_probs(logits, wf.n_alpha - n_a, wf.n_beta - n_b, n - i)
+        gen = generator if lv.shared or world_size == 1 else local_generator
+        split = multinomial_split(lv.counts, logp.double().exp(), gen)
+        row, tok = torch.nonzero(split, as_tuple=True)
+        if lv.cache is not None:
+            lv.cache.reorder(row)
+        nxt = _Level(torch.cat((lv.prefix[row], tok[:, None]), 1), split[row, tok], lv.cache, lv.shared)
+        if nxt.shared and len(row) >= cfg.split_rows_per_rank * world_size and i + 1 < n:
+            nxt = _take_rows(nxt, torch.nonzero(_rank_groups(nxt.counts, world_size) == rank).flatten(), False)
+        if len(nxt.counts) > cfg.max_batch and not nxt.shared:
+            chunks = torch.arange(len(nxt.counts), device=dev).split(cfg.max_batch)
+            stack.extend(_take_rows(nxt, c, False) for c in reversed(chunks))
+        else:
+            stack.append(nxt)
+    tokens = torch.cat(done_tokens) if done_tokens else torch.zeros(0, n, dtype=torch.long, device=dev)
+    counts = torch.cat(done_counts) if done_counts else torch.zeros(0, dtype=torch.float64, device=dev)
+    return Samples(tokens, counts.round().long(), n_samples)
