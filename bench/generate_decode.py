@@ -1,0 +1,53 @@
+"""Decode benchmark: seqlab vs Hugging Face ``LlamaForCausalLM.generate`` on the same random weights.
+
+    .venv/bin/python bench/generate_decode.py                      # fp32 + bf16, batch 1 and 8, TTFT@512
+    .venv/bin/python bench/generate_decode.py --compile            # also seqlab with a torch.compile'd decode step
+    .venv/bin/python bench/generate_decode.py --quick              # smaller run (CI smoke)
+
+Prints a markdown table and writes bench/results/generate_decode.json. The model is Llama-style: 6 layers,
+d=512, 8 heads, SwiGLU d_ff=1408, vocab 32000, untied LM head. The weight-streaming bound (every weight matrix
+times one activation row, back to back) is measured in the same run; "bound / step" is the fraction of a decode
+step that is weight streaming (1.0 = no overhead at all). Runs are interleaved and the median is reported: the
+machine is shared, so compare ratios from one run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from seqlab.generate.bench import BenchConfig, ratio_table, run_benchmark  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="2 layers, 16 new tokens, 1 repeat, no TTFT@512")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "generate_decode.json"))
+    args = ap.parse_args()
+    bc = BenchConfig(dtypes=tuple(args.dtypes.split(",")), batches=tuple(int(b) for b in args.batches.split(",")),
+                     new_tokens=args.new_tokens, repeats=args.repeats, compile=args.compile)
+    if args.quick:
+        bc.n_layers, bc.new_tokens, bc.repeats, bc.ttft_prompt_len = 2, 16, 1, 64
+    results = run_benchmark(bc, log=lambda s: print(s, file=sys.stderr, flush=True))
+    table = ratio_table(results)
+    print(table)
+    results["table_markdown"] = table
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    os.replace(tmp, out)
+    print(f"wrote {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""``seqlab generate``: loads a checkpoint + tokenizer, every strategy, streaming, clear errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from gen_helpers import tiny_decoder
+
+from seqlab.cli import main
+from seqlab.data.tokenizers import ByteTokenizer
+from seqlab.generate import generate
+from seqlab.io import save_pretrained
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt")
+    tok = ByteTokenizer()
+    model = tiny_decoder(seed=40, vocab_size=tok.vocab_size, max_seq_len=32, pad_token_id=tok.pad_id,
+                         bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+    save_pretrained(model, d)
+    tok.save(d / "tokenizer.json")
+    return d, model, tok
+
+
+def test_generate_greedy_matches_the_library(ckpt, tmp_path, capsys):
+    d, model, tok = ckpt
+    out_json = tmp_path / "out.json"
+    rc = main(["generate", "--checkpoint", str(d), "--prompt", "hello", "--prompt", "a", "--max-new-tokens", "6",
+               "--json", str(out_json), "--metrics"])
+    assert rc == 0
+    doc = json.loads(out_json.read_text())
+    ids = [tok.bos_id] + tok.encode("hello")
+    ref = generate(model, torch.tensor([ids]), max_new_tokens=6, eos_token_id=tok.eos_id)
+    assert doc["sequences"][0][: ref.shape[1]] == ref[0].tolist()
+    assert doc["metrics"]["ttft_s"] > 0 and doc["metrics"]["kv_cache_bytes"] > 0
+    assert "ttft" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [["--strategy", "sample", "--top-p", "0.9", "--seed", "3"],
+                                   ["--num-beams", "3"],
+                                   ["--draft", "SELF", "--num-speculative-tokens", "2"],
+                                   ["--stream"]])
+def test_strategies_and_stream_run(ckpt, capsys, extra):
+    d, _, _ = ckpt
+    extra = [str(d) if x == "SELF" else x for x in extra]
+    assert main(["generate", "--checkpoint", str(d), "--prompt", "hi", "--max-new-tokens", "4", *extra]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_over_long_prompt_is_a_clear_error(ckpt, capsys):
+    d, _, _ = ckpt
+    assert main(["generate", "--checkpoint", str(d), "--prompt", "x" * 40, "--max-new-tokens", "2"]) == 2
+    assert "exceeds the model's context (ModelConfig.max_seq_len=32)" in capsys.readouterr().err
+    assert main(["generate", "--checkpoint", str(d), "--prompt", "x" * 40, "--max-new-tokens", "2",
+                 "--truncate"]) == 0
+    assert main(["generate", "--checkpoint", str(d), "--prompt", "x", "--top-p", "0"]) == 2
+    assert "GenerationConfig.top_p must be in (0, 1]" in capsys.readouterr().err
