@@ -15,8 +15,10 @@ import torch
 
 from seqlab.cli.chat import packaged_minilm, packaged_smollm2
 
-# Loading the HF oracle (whose GGUF reader is slow) dominates these tests; all tests that need the same model
-# should run in one xdist worker (`pytest -n 2 --dist loadgroup`).
+# Loading the HF oracle (whose GGUF reader is slow) dominates these tests. Everything that needs the HF SmolLM2
+# model is one test (test_smollm2.test_model_matches_hf), so only one xdist worker loads it. The groups below also
+# let `--dist loadgroup` keep a model's tests together (note: with pytest 9.2 + xdist 3.8 the group suffix is not
+# applied, so do not rely on it).
 SMOLLM = pytest.mark.xdist_group("smollm2")
 MINILM = pytest.mark.xdist_group("minilm")
 

@@ -1,4 +1,7 @@
-"""``seqlab chat``: one-shot --message mode (vs HF greedy on SmolLM2), interactive turns, /reset, /exit."""
+"""``seqlab chat`` on a tiny GGUF: one-shot --message mode, interactive turns, /reset, /exit, context trimming.
+
+(The same --message check against HF greedy on the real SmolLM2 is part of test_smollm2.test_model_matches_hf.)
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,6 @@ from seqlab.cli import main
 from seqlab.cli.chat import ChatSession
 from seqlab.generate import generate
 from seqlab.io.tokenizer import Tokenizer
-from tests.real_models.conftest import SMOLLM
 from tests.real_models.tiny_gguf import write_tiny_llama
 
 
@@ -70,20 +72,3 @@ def test_session_drops_oldest_turns_when_context_is_full(tiny_path):
         s.reply("the " * 8 + str(i))
     assert len(tok.apply_chat_template(s.messages[:-1], add_generation_prompt=True)) <= 128 - 8
     assert s.messages[-2]["content"].endswith("5") and len(s.messages) < 12
-
-
-@SMOLLM
-@pytest.mark.slow
-def test_smollm_message_mode_matches_hf_greedy(smollm, hf_smollm, monkeypatch, capsys):
-    model, tok = smollm
-    monkeypatch.setattr(gguf_module, "load_gguf", lambda path, dtype=torch.float32: (model, tok))
-    question = "What is the capital of France?"
-    assert main(["chat", "--message", question, "--temperature", "0", "--max-new-tokens", "24"]) == 0
-    out = capsys.readouterr().out
-    ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
-    with torch.no_grad():
-        ref = hf_smollm.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=24, do_sample=False, eos_token_id=tok.eos_token_id,
-                                 pad_token_id=tok.eos_token_id)[0, len(ids):]
-    assert out == tok.decode(ref, skip_special_tokens=True).strip() + "\n"
-    assert "Paris" in out

@@ -116,7 +116,14 @@ def test_chat_template_matches_hf(smollm, hf_smollm_tokenizer):
                 _hf_ids(hf.apply_chat_template(chat, add_generation_prompt=agp))
 
 
-def test_logits_match_hf_fp32(smollm, hf_smollm):
+def test_model_matches_hf(smollm, hf_smollm, monkeypatch, capsys):
+    """Everything that needs the HF model, in one test so that only one xdist worker pays for loading it.
+
+    1. fp32 logits on 4 prompts, each alone and all as one left-padded batch: max abs diff < 1e-3.
+    2. Greedy generation of 64 tokens on 5 chat prompts: HF generates each alone, seqlab all as one left-padded
+       batch; identical up to and including EOS.
+    3. ``seqlab chat --message ... --temperature 0`` prints exactly HF's greedy reply.
+    """
     model, tok = smollm
     prompts = [tok.encode(t) for t in ("The capital of France is", "def fib(n):\n    return", "1, 2, 3, 4,")]
     prompts.append(tok.apply_chat_template(CHATS[3], add_generation_prompt=True))
@@ -127,17 +134,11 @@ def test_logits_match_hf_fp32(smollm, hf_smollm):
             ours, ref = model(x), hf_smollm(x).logits
             refs.append(ref[0])
             assert (ours - ref).abs().max().item() < 1e-3
-        # the same prompts as one left-padded batch: each row's real positions must still match HF's unpadded run
         batch, mask = tok.pad(prompts, side="left")
         ours = model(batch, attention_mask=mask)
-    for i, ids in enumerate(prompts):
-        n = len(ids)
-        assert (ours[i, -n:] - refs[i]).abs().max().item() < 1e-3
+    for i, ids in enumerate(prompts):  # each row's real positions still match HF's unpadded run
+        assert (ours[i, -len(ids):] - refs[i]).abs().max().item() < 1e-3
 
-
-def test_greedy_64_tokens_match_hf(smollm, hf_smollm):
-    """5 chat prompts: HF generates each alone; seqlab generates them as one left-padded batch."""
-    model, tok = smollm
     eos = tok.eos_token_id
     prompts = [tok.apply_chat_template(c, add_generation_prompt=True) for c in CHATS]
     expected = []
@@ -145,12 +146,19 @@ def test_greedy_64_tokens_match_hf(smollm, hf_smollm):
         for ids in prompts:
             out = hf_smollm.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
                                      max_new_tokens=64, do_sample=False, eos_token_id=eos, pad_token_id=eos)
-            expected.append(out[0, len(ids):].tolist())
+            new = out[0, len(ids):].tolist()
+            expected.append(new[: new.index(eos) + 1] if eos in new else new)
     batch, mask = tok.pad(prompts, side="left")
     got = generate(model, batch, attention_mask=mask, max_new_tokens=64, eos_token_id=eos)[:, batch.shape[1]:]
-    full_length = 0
     for row, exp in zip(got.tolist(), expected):
-        n = exp.index(eos) + 1 if eos in exp else len(exp)
-        assert row[:n] == exp[:n], (tok.decode(row[:n]), tok.decode(exp[:n]))
-        full_length += n == 64
-    assert full_length >= 2  # most replies run the full 64 tokens, so the comparison is long
+        assert row[: len(exp)] == exp, (tok.decode(row[: len(exp)]), tok.decode(exp))
+    assert sum(len(e) == 64 for e in expected) >= 2  # most replies run the full 64 tokens: long comparisons
+
+    import seqlab.io.gguf as gguf_module
+    from seqlab.cli import main
+
+    monkeypatch.setattr(gguf_module, "load_gguf", lambda path, dtype=torch.float32: (model, tok))
+    assert main(["chat", "--message", CHATS[0][0]["content"], "--temperature", "0", "--max-new-tokens", "64"]) == 0
+    reply = capsys.readouterr().out
+    assert reply == tok.decode([t for t in expected[0] if t != eos], skip_special_tokens=True).strip() + "\n"
+    assert "Paris" in reply
