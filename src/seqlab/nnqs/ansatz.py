@@ -68,7 +68,9 @@ class Wavefunction(nn.Module):
         """Decoder logits [..., V] -> log P(t | prefix) over the 4 pair tokens, invalid tokens at -inf."""
         valid = valid_token_mask(alpha_left, beta_left, orbitals_left)
         logits = logits[..., :N_PAIR_TOKENS].float().masked_fill(~valid, float("-inf"))
-        return F.log_softmax(logits, dim=-1)
+        lp = F.log_softmax(logits, dim=-1)
+        # a prefix that already broke conservation has no valid token: every continuation gets -inf, not NaN
+        return torch.where(valid.any(-1, keepdim=True), lp, torch.full_like(lp, float("-inf")))
 
     def conditional_log_probs(self, tokens: Tensor) -> Tensor:
         """[B, n_orb] configurations -> [B, n_orb, 4] log P(t_i = . | t_<i), all positions in one parallel pass."""
