@@ -26,7 +26,7 @@ DEMO_PROMPTS = ("ROMEO.\n", "To be, or not to be", "KING. My lords,")
 # The tuned recipe (see docs/training.md, "How the demo recipe was chosen").
 DEMO_RECIPE: dict[str, Any] = dict(
     objective="clm", tokenizer="bpe:2048", preset="demo", seq_len=128, batch_size=16, grad_accum=1,
-    lr=3e-3, min_lr_ratio=0.05, warmup_frac=0.03, weight_decay=0.1, grad_clip=1.0, precision="auto",
+    lr=4e-3, min_lr_ratio=0.05, warmup_frac=0.03, weight_decay=0.1, grad_clip=1.0, precision="auto",
     eval_interval=0, ckpt_interval=0, keep_last=1, log_interval=20, max_steps=1_000_000,
 )
 

@@ -65,7 +65,10 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, split: str = 
     bs = batch_size or cfg.eval_batch_size or cfg.batch_size
     batches = (objective.collate([ds[j] for j in range(i, min(i + bs, len(ds)))]) for i in range(0, len(ds), bs))
     prec = resolve_precision(precision, torch.device(device))
-    with prec.autocast():
+    import contextlib
+
+    scope = objective.evaluating() if hasattr(objective, "evaluating") else contextlib.nullcontext()
+    with prec.autocast(), scope:
         res = evaluate(model, objective, batches, device=device, max_batches=max_batches)
     res.update(checkpoint=str(cdir), objective=cfg.objective, data=data or cfg.data or "embedded default",
                split="all" if data else split, examples=len(ds))

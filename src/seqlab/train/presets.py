@@ -12,7 +12,7 @@ from typing import Any
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(d_model=32, n_layers=2, n_heads=2, max_seq_len=256),
     "small": dict(d_model=128, n_layers=4, n_heads=4, max_seq_len=512),
-    "demo": dict(d_model=256, n_layers=4, n_heads=4, max_seq_len=512),
+    "demo": dict(d_model=128, n_layers=4, n_heads=4, max_seq_len=256),
     "base": dict(d_model=512, n_layers=8, n_heads=8, max_seq_len=1024),
     "gpt2": dict(d_model=768, n_layers=12, n_heads=12, max_seq_len=1024, pos="learned", norm="layernorm",
                  mlp="gelu", activation="gelu_tanh", bias=True),

@@ -17,6 +17,7 @@ run's losses exactly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -344,21 +345,25 @@ class Trainer:
             n_max = math.ceil(len(starts) / self.dist.world_size)
             mine = mine + [None] * (n_max - len(mine))
         sums = torch.zeros(4, dtype=torch.float64, device=self._coll_device)  # loss, targets, bytes, has_bytes
-        for s in mine:
-            real = s is not None
-            s = s if real else starts[0]
-            batch = _to_device(self.objective.collate([data[i] for i in range(s, min(s + bs, len(data)))]), self.device)
-            with self.precision.autocast():
-                out = self.objective.loss(model, batch)
-            if not real:
-                continue
-            n_bytes = out.n_bytes
-            if n_bytes is None and self._byte_table is not None and isinstance(batch.get("labels"), torch.Tensor):
-                from seqlab.objectives.loss import count_bytes
+        # MLM: the same evaluation masks every time, without moving the training RNG stream
+        scope = self.objective.evaluating() if hasattr(self.objective, "evaluating") else contextlib.nullcontext()
+        with scope:
+            for s in mine:
+                real = s is not None
+                s = s if real else starts[0]
+                rows = [data[i] for i in range(s, min(s + bs, len(data)))]
+                batch = _to_device(self.objective.collate(rows), self.device)
+                with self.precision.autocast():
+                    out = self.objective.loss(model, batch)
+                if not real:
+                    continue
+                n_bytes = out.n_bytes
+                if n_bytes is None and self._byte_table is not None and isinstance(batch.get("labels"), torch.Tensor):
+                    from seqlab.objectives.loss import count_bytes
 
-                n_bytes = count_bytes(batch["labels"], self._byte_table)
-            sums += torch.tensor([float(out.loss_sum), out.n_targets, n_bytes or 0, n_bytes is not None],
-                                 dtype=torch.float64, device=sums.device)
+                    n_bytes = count_bytes(batch["labels"], self._byte_table)
+                sums += torch.tensor([float(out.loss_sum), out.n_targets, n_bytes or 0, n_bytes is not None],
+                                     dtype=torch.float64, device=sums.device)
         D.all_reduce_sum(sums, self.dist)
         model.train(was_training)
         loss_sum, n, n_bytes, has_bytes = (float(x) for x in sums)

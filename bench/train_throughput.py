@@ -1,0 +1,178 @@
+"""Training throughput: seqlab vs Hugging Face GPT2LMHeadModel, same config, batch and precision, one run.
+
+Both models are GPT-2 shaped (learned positions, LayerNorm, GELU-tanh MLP, biases, tied embeddings) with
+identical sizes, fed the same random token batches, and trained with the same AdamW (foreach) and gradient
+clipping. One "step" = forward + loss + backward + clip + optimizer step, exactly what each library's training
+loop does: seqlab through its CLM objective (``seqlab.train``'s path), HF through ``model(input_ids,
+labels=input_ids).loss``. Timings alternate between the two libraries (A B A B ...) so background load on a
+shared machine hits both alike; the median per library is reported.
+
+MFU = achieved model FLOP/s / measured peak matmul FLOP/s of this machine in the same precision. Model FLOPs per
+token = 6 * (matmul parameters incl. the LM head) + 12 * n_layers * seq_len * d_model (attention scores and
+values, forward + backward), the PaLM accounting.
+
+    python bench/train_throughput.py                     # fp32 and bf16, default size
+    python bench/train_throughput.py --compile           # also seqlab with torch.compile
+Writes bench/results/train_throughput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        best = min(best, (time.perf_counter() - t) / reps)
+    return 2 * n**3 / best
+
+
+def build_pair(args):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from seqlab import ModelConfig, build_model
+
+    cfg = ModelConfig(arch="decoder", vocab_size=args.vocab, d_model=args.d_model, n_layers=args.n_layers,
+                      n_heads=args.n_heads, max_seq_len=args.seq_len, pos="learned", norm="layernorm", mlp="gelu",
+                      activation="gelu_tanh", bias=True, tie_embeddings=True, norm_eps=1e-5)
+    torch.manual_seed(0)
+    ours = build_model(cfg)
+    hcfg = GPT2Config(vocab_size=args.vocab, n_positions=args.seq_len, n_embd=args.d_model, n_layer=args.n_layers,
+                      n_head=args.n_heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                      activation_function="gelu_new", layer_norm_epsilon=1e-5, tie_word_embeddings=True)
+    try:
+        hf = GPT2LMHeadModel(hcfg, attn_implementation="sdpa")
+    except TypeError:
+        hcfg._attn_implementation = "sdpa"
+        hf = GPT2LMHeadModel(hcfg)
+    n_ours = sum(p.numel() for p in {id(p): p for p in ours.parameters()}.values())
+    n_hf = sum(p.numel() for p in {id(p): p for p in hf.parameters()}.values())
+    assert n_ours == n_hf, f"parameter counts differ: seqlab {n_ours} vs HF {n_hf}"
+    return ours, hf, n_ours
+
+
+def model_flops_per_token(args) -> float:
+    d, L, V, T = args.d_model, args.n_layers, args.vocab, args.seq_len
+    matmul_params = L * (4 * d * d + 2 * d * 4 * d) + V * d  # qkv+out, mlp up+down, lm head
+    return 6 * matmul_params + 12 * L * T * d
+
+
+def make_step(lib: str, model, precision: str, vocab: int, compiled: bool = False):
+    from seqlab.objectives import build_objective
+    from seqlab.data import ByteTokenizer
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
+    autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else None
+    fwd = torch.compile(model) if compiled else model
+    if lib == "seqlab":
+        obj = build_objective("clm", ByteTokenizer())
+        obj._byte_table = torch.ones(vocab, dtype=torch.long)  # the objective counts target bytes, as in training
+
+        def loss_of(ids):
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+            out = obj.loss(fwd, batch)
+            return out.loss_sum / out.n_targets
+    else:
+        def loss_of(ids):
+            return fwd(input_ids=ids, labels=ids).loss
+
+    def step(ids):
+        if autocast is not None:
+            with autocast():
+                loss = loss_of(ids)
+        else:
+            loss = loss_of(ids)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--n-layers", type=int, default=4)
+    ap.add_argument("--n-heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per repetition")
+    ap.add_argument("--reps", type=int, default=5, help="alternating repetitions per library")
+    ap.add_argument("--precisions", default="fp32,bf16")
+    ap.add_argument("--compile", action="store_true", help="also time seqlab under torch.compile")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "train_throughput.json"))
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    flops_tok = model_flops_per_token(args)
+    tokens = args.batch_size * args.seq_len
+    peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
+    results = []
+    for precision in args.precisions.split(","):
+        ours, hf, n_params = build_pair(args)
+        libs = {"seqlab": make_step("seqlab", ours, precision, args.vocab),
+                "hf": make_step("hf", hf, precision, args.vocab)}
+        if args.compile:
+            ours_c, _, _ = build_pair(args)
+            libs["seqlab+compile"] = make_step("seqlab", ours_c, precision, args.vocab, compiled=True)
+        g = torch.Generator().manual_seed(0)
+        batches = [torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=g) for _ in range(4)]
+        for step in libs.values():  # warm up (oneDNN primitive creation, compile)
+            for b in batches[:2]:
+                step(b)
+        times: dict[str, list[float]] = {k: [] for k in libs}
+        for r in range(args.reps):
+            for name, step in (libs.items() if r % 2 == 0 else reversed(list(libs.items()))):
+                t = time.perf_counter()
+                for i in range(args.steps):
+                    step(batches[i % len(batches)])
+                times[name].append((time.perf_counter() - t) / args.steps)
+        for name, ts in times.items():
+            sec = statistics.median(ts)
+            tok_s = tokens / sec
+            results.append({"library": name, "precision": precision, "step_s": sec, "tokens_per_s": tok_s,
+                            "model_tflops": flops_tok * tok_s / 1e12, "mfu": flops_tok * tok_s / peaks[precision],
+                            "step_s_all": ts, "params": n_params})
+    speedups = {}
+    for precision in args.precisions.split(","):
+        by = {r["library"]: r for r in results if r["precision"] == precision}
+        speedups[precision] = {k: by[k]["tokens_per_s"] / by["hf"]["tokens_per_s"] for k in by if k != "hf"}
+
+    print(f"\ntraining throughput, GPT-2 shape d={args.d_model} L={args.n_layers} H={args.n_heads} V={args.vocab} "
+          f"T={args.seq_len} B={args.batch_size}, {torch.get_num_threads()} threads")
+    print(f"measured matmul peak: fp32 {peaks['fp32'] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.1f} GFLOP/s")
+    print(f"{'library':<16}{'precision':<10}{'tokens/s':>10}{'step ms':>10}{'GFLOP/s':>10}{'MFU':>8}{'vs HF':>8}")
+    for r in results:
+        sp = speedups[r["precision"]].get(r["library"], 1.0)
+        print(f"{r['library']:<16}{r['precision']:<10}{r['tokens_per_s']:>10,.0f}{r['step_s'] * 1e3:>10.1f}"
+              f"{r['model_tflops'] * 1e3:>10.1f}{r['mfu']:>8.1%}{sp:>7.2f}x")
+    out = {"config": vars(args), "flops_per_token": flops_tok, "matmul_peak_flops": peaks, "results": results,
+           "speedup_vs_hf": speedups, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
+           "threads": torch.get_num_threads()}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
