@@ -31,10 +31,14 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="cpu: process CPU time, robust when other jobs share the cores (use with --threads 1)")
+    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "generate_decode.json"))
     args = ap.parse_args()
     bc = BenchConfig(dtypes=tuple(args.dtypes.split(",")), batches=tuple(int(b) for b in args.batches.split(",")),
-                     new_tokens=args.new_tokens, repeats=args.repeats, compile=args.compile)
+                     new_tokens=args.new_tokens, repeats=args.repeats, compile=args.compile, clock=args.clock,
+                     threads=args.threads)
     if args.quick:
         bc.n_layers, bc.new_tokens, bc.repeats, bc.ttft_prompt_len = 2, 16, 1, 64
     results = run_benchmark(bc, log=lambda s: print(s, file=sys.stderr, flush=True))

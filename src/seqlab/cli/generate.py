@@ -55,6 +55,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--vocab", type=int, default=32000)
     b.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
     b.add_argument("--compile", action="store_true", help="torch.compile the decode step")
+    b.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="cpu: process CPU time, robust when other jobs share the cores (use with --threads 1)")
+    b.add_argument("--threads", type=int, default=None)
     b.add_argument("--json", help="write the results here")
     b.add_argument("--debug", action="store_true")
     b.set_defaults(func=run_bench)
@@ -159,7 +162,7 @@ def run_bench(args: argparse.Namespace) -> int:
     bc = BenchConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers,
                      dtypes=tuple(args.dtypes.split(",")), batches=tuple(int(b) for b in args.batches.split(",")),
                      new_tokens=args.new_tokens, ttft_prompt_len=args.ttft_prompt_len, repeats=args.repeats,
-                     compare_hf=not args.no_hf, compile=args.compile)
+                     compare_hf=not args.no_hf, compile=args.compile, clock=args.clock, threads=args.threads)
     results = run_benchmark(bc, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(ratio_table(results))
     if args.json:

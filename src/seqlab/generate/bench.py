@@ -88,8 +88,8 @@ def weight_matrices(model) -> list[torch.Tensor]:
     return [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
-@torch.no_grad()
-def weight_bound_ms(model, batch: int, repeats: int = 20) -> float:
+@torch.inference_mode()
+def weight_bound_ms(model, batch: int, repeats: int = 10) -> float:
     weights = weight_matrices(model)
     dtype = weights[0].dtype
     xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
@@ -159,11 +159,14 @@ def run_benchmark(bc: BenchConfig, log=print) -> dict:
                 if name != "seqlab":
                     log(f"{dname:5s} batch {batch:2d} {name}: {same:.0%} of rows token-identical to seqlab eager")
             samples: dict[str, list[float]] = {k: [] for k in impls}
-            for _ in range(bc.repeats):
+            bounds = []
+            for _ in range(bc.repeats):  # interleaved, so slow phases of the shared machine hit every column
                 for name, fn in impls.items():
                     t_full, t_one = _time(fn(n + 1)), _time(fn(1))
                     samples[name].append((t_full - t_one) / n)  # seconds per decode step
-            bound = weight_bound_ms(model, batch)
+                bounds.append(weight_bound_ms(model, batch))
+            bound = statistics.median(bounds)
+            results.setdefault("bound_samples_ms", []).append({"dtype": dname, "batch": batch, "samples": bounds})
             for name, s in samples.items():  # noqa: B007
                 step = statistics.median(s)
                 row = BenchRow(dname, batch, name, batch / step, step * 1e3, bound, bound / (step * 1e3),

@@ -97,6 +97,10 @@ def compiled_decode_step(model):
     """
     fn = _COMPILED.get(model)
     if fn is None:
+        import logging
+
+        # the core's decode path has one data-dependent branch (a graph break); it is expected, not news
+        logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
         fn = torch.compile(functools.partial(decode_step, model), dynamic=True)
         _COMPILED[model] = fn
     return fn
