@@ -383,7 +383,7 @@ class Trainer:
         from tqdm.auto import tqdm
 
         cfg = self.cfg
-        bar = tqdm(total=cfg.max_steps, initial=self.step, disable=not (self.dist.is_main and cfg.progress),
+        bar = tqdm(total=None if cfg.max_time_s is not None else cfg.max_steps, initial=self.step, unit="step", disable=not (self.dist.is_main and cfg.progress),
                    dynamic_ncols=True, desc="train")
         losses: list[float] = []
         last_loss: float | None = None
