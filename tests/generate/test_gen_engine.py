@@ -226,6 +226,10 @@ def test_over_long_prompt_raises_or_truncates():
         generate(learned, long[:, :12], max_new_tokens=8)
     out = generate(learned, long[:, :12], max_new_tokens=8, truncate_prompt=True)
     assert out.shape == (1, 16) and torch.equal(out[:, :8], long[:, 4:12])
+    with pytest.raises(ValueError, match=r"source of 19 tokens exceeds"):
+        generate(tiny_encdec(max_seq_len=16), long % 40, max_new_tokens=4)  # id 1 is the pad id: 19 real
+    with pytest.raises(ValueError, match=r"max_new_tokens=16 \+ the decoder start token exceeds"):
+        generate(tiny_encdec(max_seq_len=16), long[:, :5] % 40, max_new_tokens=16)
     with pytest.raises(ValueError, match="no real prompt tokens"):
         generate(model, torch.tensor([[1, 2], [3, 4]]), attention_mask=torch.tensor([[1, 1], [0, 0]]))
     with pytest.raises(ValueError, match="outside the vocabulary"):

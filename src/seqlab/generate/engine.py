@@ -171,10 +171,11 @@ def prepare(model, input_ids: Tensor, attention_mask: Tensor | None, cfg: Genera
         need = longest if longest > limit else longest + cfg.max_new_tokens
         what = "prompt" if not encdec else "source"
         if not cfg.truncate_prompt:
+            size = (f"{longest} tokens" if longest > limit
+                    else f"{longest} tokens + max_new_tokens={cfg.max_new_tokens} = {need}")
             raise ValueError(
-                f"{what} of {longest} tokens{'' if longest > limit else f' + max_new_tokens={cfg.max_new_tokens}'}"
-                f" = {need} exceeds the model's context (ModelConfig.max_seq_len={limit}); shorten it, lower "
-                f"max_new_tokens, or set GenerationConfig.truncate_prompt=True to keep the last tokens")
+                f"{what} of {size} exceeds the model's context (ModelConfig.max_seq_len={limit}); shorten it, "
+                f"lower max_new_tokens, or set GenerationConfig.truncate_prompt=True to keep the last tokens")
         keep = limit if (encdec or mcfg.pos != "learned") else limit - cfg.max_new_tokens
         if keep < 1:
             raise ValueError(f"max_new_tokens={cfg.max_new_tokens} leaves no room for a prompt in the context "
@@ -185,6 +186,9 @@ def prepare(model, input_ids: Tensor, attention_mask: Tensor | None, cfg: Genera
         attention_mask = attention_mask[:, -keep:] if attention_mask is not None else None
         lengths = lengths.clamp(max=keep)
 
+    if encdec and getattr(mcfg, "pos", None) == "learned" and 1 + cfg.max_new_tokens > limit:
+        raise ValueError(f"max_new_tokens={cfg.max_new_tokens} + the decoder start token exceeds the decoder's "
+                         f"learned positions (ModelConfig.max_seq_len={limit})")
     last_index = None
     if not encdec and attention_mask is not None and not bool(attention_mask[:, -1].all()):
         cols = torch.arange(input_ids.shape[1], device=input_ids.device)
@@ -459,6 +463,8 @@ class Stream:
         self.output: GenerationOutput | None = None
 
     def __iter__(self) -> Iterator[StreamChunk]:
+        if self.output is not None:
+            raise RuntimeError("this Stream was already consumed; call stream(...) again")
         self.output = yield from self._it
         return self.output
 
