@@ -12,7 +12,8 @@ and only ratios from the same run mean anything:
 * weight-streaming bound: every Linear weight of the model (incl. the 49152x576 LM head) applied to one activation
   row per sequence, back to back, in the model's dtype -- the step time if a decode step did nothing but read the
   weights once. ``bound / step`` is the fraction of the step spent on useful weight streaming.
-* peak RSS: each implementation in its own subprocess (load + TTFT prompt + 32 decode steps), ``ru_maxrss``.
+* peak RSS: each implementation in its own subprocess (load + TTFT prompt + 32 decode steps), ``VmHWM``.
+  HF's number includes its GGUF import (it dequantises everything in float32 first); seqlab's includes ours.
 
 Both models hold the same weights: HF's own GGUF import (its dequantisation), and seqlab's ``load_gguf``; the
 test suite proves their logits equal. Writes ``bench/results/real_models_smollm2.json`` (atomically).
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -79,36 +79,60 @@ def long_prompt(tok, n: int) -> torch.Tensor:
     return torch.tensor([ids[:n]])
 
 
-def runners(model, hf, ids, mask):
+def runners(model, hf, ids, mask, compiled: bool = False):
     from seqlab.generate import GenerationConfig, generate_output
 
-    def ours(k):
-        return lambda: generate_output(model, ids, mask, GenerationConfig(max_new_tokens=k, eos_token_id=[]))
+    def ours(k, compile_=False):
+        return lambda: generate_output(model, ids, mask, GenerationConfig(max_new_tokens=k, eos_token_id=[],
+                                                                          compile=compile_))
 
     def theirs(k):
         return lambda: hf.generate(ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False,
                                    pad_token_id=2)
 
-    return {"hf": theirs, "seqlab": ours} if hf is not None else {"seqlab": ours}
+    impls = {"hf": theirs} if hf is not None else {}
+    impls["seqlab"] = ours
+    if compiled:
+        impls["seqlab+compile"] = lambda k: ours(k, True)
+    return impls
+
+
+CLOCK = time.perf_counter
 
 
 def _time(fn) -> float:
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     with torch.no_grad():
         fn()
-    return time.perf_counter() - t0
+    return CLOCK() - t0
 
 
-def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats: int, log=print) -> dict:
-    from seqlab.generate.bench import weight_bound_ms
+def weight_bound_ms(model, batch: int, repeats: int = 10) -> float:
+    """Median time (same clock as the decode timings) to apply every Linear weight once to ``batch`` rows."""
+    from seqlab.generate.bench import weight_matrices
 
+    weights = weight_matrices(model)
+    xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+    times = []
+    with torch.no_grad():
+        for i in range(repeats + 1):
+            t0 = CLOCK()
+            for w in weights:
+                torch.nn.functional.linear(xs[w.shape[1]], w)
+            if i:  # the first pass is a warm-up
+                times.append(CLOCK() - t0)
+    return statistics.median(times) * 1e3
+
+
+def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats: int, compiled: bool = False,
+            log=print) -> dict:
     out: dict = {"decode": [], "ttft": [], "bound": []}
     for dname in dtypes:
         model, tok, hf = load_models(path, DTYPES[dname])
         for batch in batches:
             ids, mask = chat_batch(tok, batch)
-            impls = runners(model, hf, ids, mask)
-            for fn in impls.values():  # warm-up
+            impls = runners(model, hf, ids, mask, compiled)
+            for fn in impls.values():  # warm-up (and compile)
                 fn(8)()
                 fn(1)()
             samples = {k: [] for k in impls}
@@ -123,11 +147,11 @@ def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats
                 row = {"dtype": dname, "batch": batch, "impl": name, "tok_s": batch / step, "ms_per_step": step * 1e3,
                        "bound_ms": bound, "frac_of_bound": bound / (step * 1e3), "samples_ms": [x * 1e3 for x in s]}
                 out["decode"].append(row)
-                log(f"{dname} batch {batch} {name:6s}: {row['tok_s']:7.1f} tok/s  {row['ms_per_step']:6.2f} ms/step  "
+                log(f"{dname} batch {batch} {name:14s}: {row['tok_s']:7.1f} tok/s  {row['ms_per_step']:6.2f} ms/step  "
                     f"(bound {bound:.2f} ms = {row['frac_of_bound']:.0%})")
         ids = long_prompt(tok, ttft_len)
         mask = torch.ones_like(ids)
-        impls = runners(model, hf, ids, mask)
+        impls = runners(model, hf, ids, mask, compiled)
         for fn in impls.values():
             fn(1)()
         t = {k: [] for k in impls}
@@ -137,29 +161,39 @@ def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats
         for name, s in t.items():
             out["ttft"].append({"dtype": dname, "impl": name, "prompt_len": ttft_len, "ms": statistics.median(s) * 1e3,
                                 "samples_ms": [x * 1e3 for x in s]})
-            log(f"{dname} TTFT {ttft_len} tokens {name:6s}: {statistics.median(s) * 1e3:7.1f} ms")
+            log(f"{dname} TTFT {ttft_len} tokens {name:14s}: {statistics.median(s) * 1e3:7.1f} ms")
         del model, hf
     return out
 
 
 def rss_worker(path: Path, impl: str, dtype: str, ttft_len: int) -> None:
     """Subprocess body: load one implementation, run a TTFT prompt and 32 decode steps, print peak RSS (MiB)."""
-    with_hf = impl == "hf"
-    model, tok, hf = load_models(path, DTYPES[dtype], with_hf=with_hf)
-    if with_hf:
-        del model
+    if impl == "hf":
+        from seqlab.io.gguf import read_gguf
+        from seqlab.io.tokenizer import Tokenizer
+
+        _quiet()
+        from transformers import AutoModelForCausalLM
+
+        tok = Tokenizer.from_gguf_metadata(read_gguf(path).metadata)
+        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+        model, hf = None, hf.to(DTYPES[dtype]).eval()
+    else:
+        model, tok, hf = load_models(path, DTYPES[dtype], with_hf=False)
     ids = long_prompt(tok, ttft_len)
-    fn = runners(None if with_hf else model, hf, ids, torch.ones_like(ids))[impl]
+    fn = runners(model, hf, ids, torch.ones_like(ids))[impl]
     _time(fn(32))
-    print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent (which holds both models)
+    hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
+    print(json.dumps({"peak_rss_mib": int(hwm.split()[1]) / 1024}))
 
 
-def peak_rss(path: Path, dtypes, ttft_len: int, log=print) -> list[dict]:
+def peak_rss(path: Path, dtypes, ttft_len: int, threads: int | None = None, log=print) -> list[dict]:
     rows = []
     for dname in dtypes:
         for impl in ("hf", "seqlab"):
             cmd = [sys.executable, __file__, "--rss-worker", impl, "--dtypes", dname, "--gguf", str(path),
-                   "--ttft-len", str(ttft_len)]
+                   "--ttft-len", str(ttft_len)] + (["--threads", str(threads)] if threads else [])
             res = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
             mib = json.loads(res.stdout.strip().splitlines()[-1])["peak_rss_mib"]
             rows.append({"dtype": dname, "impl": impl, "peak_rss_mib": mib})
@@ -171,15 +205,14 @@ def table(res: dict) -> str:
     d = {(r["dtype"], r["batch"], r["impl"]): r for r in res["decode"]}
     t = {(r["dtype"], r["impl"]): r["ms"] for r in res["ttft"]}
     m = {(r["dtype"], r["impl"]): r["peak_rss_mib"] for r in res.get("rss", [])}
-    lines = ["| dtype | batch | seqlab tok/s | HF tok/s | seqlab/HF | bound tok/s | seqlab % of bound |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| dtype | batch | impl | tok/s | HF tok/s | vs HF | bound tok/s | % of bound |",
+             "|---|---|---|---|---|---|---|---|"]
     for (dt, b, impl), r in d.items():
-        if impl != "seqlab":
+        if impl == "hf":
             continue
         h = d.get((dt, b, "hf"))
-        lines.append(f"| {dt} | {b} | {r['tok_s']:.1f} | {h['tok_s']:.1f} | {r['tok_s'] / h['tok_s']:.2f}x | "
-                     f"{b / r['bound_ms'] * 1e3:.1f} | {r['frac_of_bound']:.0%} |" if h else
-                     f"| {dt} | {b} | {r['tok_s']:.1f} | - | - | {b / r['bound_ms'] * 1e3:.1f} | {r['frac_of_bound']:.0%} |")
+        vs = (f"{h['tok_s']:.1f} | {r['tok_s'] / h['tok_s']:.2f}x") if h else "- | -"
+        lines.append(f"| {dt} | {b} | {impl} | {r['tok_s']:.1f} | {vs} | {b / r['bound_ms'] * 1e3:.1f} | {r['frac_of_bound']:.0%} |")
     lines += ["", "| dtype | TTFT seqlab ms | TTFT HF ms | peak RSS seqlab MiB | peak RSS HF MiB |", "|---|---|---|---|---|"]
     for dt in dict.fromkeys(r["dtype"] for r in res["ttft"]):
         f = lambda x: f"{x:.0f}" if x is not None else "-"  # noqa: E731
@@ -198,12 +231,17 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
+    ap.add_argument("--compile", action="store_true", help="also time seqlab with a torch.compile'd decode step")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall (perf_counter) or cpu (process CPU time; steadier on a shared machine with --threads 1)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 32 new tokens, 1 repeat, no RSS")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "real_models_smollm2.json"))
     ap.add_argument("--rss-worker", choices=("hf", "seqlab"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    global CLOCK
+    CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     from seqlab.cli.chat import packaged_smollm2
 
     path = Path(args.gguf) if args.gguf else packaged_smollm2()
@@ -216,11 +254,12 @@ def main(argv=None) -> int:
     if args.quick:
         args.new_tokens, args.repeats, args.no_rss = 32, 1, True
     batches = [int(b) for b in args.batches.split(",")]
-    res = {"model": path.name, "torch": torch.__version__, "threads": torch.get_num_threads(),
+    res = {"model": path.name, "torch": torch.__version__, "threads": torch.get_num_threads(), "clock": args.clock,
+           "load_avg_before": os.getloadavg(),
            "new_tokens": args.new_tokens, "repeats": args.repeats, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
-    res |= measure(path, dtypes, batches, args.new_tokens, args.ttft_len, args.repeats)
+    res |= measure(path, dtypes, batches, args.new_tokens, args.ttft_len, args.repeats, args.compile)
     if not args.no_rss:
-        res["rss"] = peak_rss(path, dtypes, args.ttft_len)
+        res["rss"] = peak_rss(path, dtypes, args.ttft_len, args.threads)
     print(table(res))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

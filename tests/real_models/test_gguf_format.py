@@ -157,3 +157,30 @@ def test_unsupported_tokenizer_model(tmp_path):
     meta = dict(f.metadata, **{"tokenizer.ggml.model": "llama"})
     with pytest.raises(TokenizerError, match="tokenizer model 'llama' is not supported"):
         Tokenizer.from_gguf_metadata(meta, source=str(path))
+
+
+def test_bf16_load_and_tokenizer_save_round_trip(tiny, tmp_path):
+    """dtype=bfloat16 gives a bf16 model close to fp32; a saved tokenizer.json is read identically by HF and by us."""
+    from transformers import AutoTokenizer
+
+    from seqlab.io.tokenizer import Tokenizer
+
+    path, _ = tiny
+    model, tok = load_gguf(path)
+    model16, _ = load_gguf(path, dtype=torch.bfloat16)
+    assert {p.dtype for p in model16.parameters()} == {torch.bfloat16}
+    ids = torch.tensor([tok.encode("the cat in the hat")])
+    with torch.no_grad():
+        diff = (model16(ids).float() - model(ids)).abs().max().item()
+    assert 0 < diff < 0.05
+
+    tok.save(tmp_path / "tok")
+    hf = AutoTokenizer.from_pretrained(tmp_path / "tok")
+    back = Tokenizer.from_pretrained(tmp_path / "tok")
+    for text in ("the  there 4 2\n\tin", "<|im_start|>hi<|im_end|>", "naïve 🤖"):
+        assert back.encode(text) == tok.encode(text) == hf.encode(text)
+    assert (back.bos_token_id, back.eos_token_id, back.pad_token_id) == (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    msgs = [{"role": "user", "content": "hi"}]
+    assert back.apply_chat_template(msgs, add_generation_prompt=True) == tok.apply_chat_template(msgs, add_generation_prompt=True)
+    assert hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == \
+        tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
