@@ -248,9 +248,17 @@ def gguf_hf_config(f: GGUFFile) -> dict[str, Any]:
         raise GGUFError(f"{f.path}: rope scaling {scaling!r} ({key('rope.scaling.type')}) is not supported")
     if "rope_freqs.weight" in f.tensors:
         raise GGUFError(f"{f.path}: tensor 'rope_freqs.weight' (Llama-3.1 rope scaling) is not supported")
-    d_model = int(f.require(key("embedding_length")))
-    n_heads = int(f.require(key("attention.head_count")))
-    n_kv = int(m.get(key("attention.head_count_kv"), n_heads))
+    def scalar(name: str, default: Any = None) -> Any:
+        value = f.require(key(name)) if default is None else m.get(key(name), default)
+        if isinstance(value, list):  # per-layer arrays (some hybrid models) are only fine when uniform
+            if not value or len(set(value)) != 1:
+                raise GGUFError(f"{f.path}: per-layer {key(name)}={value[:8]} is not supported")
+            value = value[0]
+        return value
+
+    d_model = int(scalar("embedding_length"))
+    n_heads = int(scalar("attention.head_count"))
+    n_kv = int(scalar("attention.head_count_kv", n_heads))
     head_dim = d_model // n_heads
     rope_dim = int(m.get(key("rope.dimension_count"), head_dim))
     if rope_dim != head_dim:
@@ -264,10 +272,10 @@ def gguf_hf_config(f: GGUFFile) -> dict[str, Any]:
         "model_type": "llama",
         "vocab_size": int(vocab),
         "hidden_size": d_model,
-        "num_hidden_layers": int(f.require(key("block_count"))),
+        "num_hidden_layers": int(scalar("block_count")),
         "num_attention_heads": n_heads,
         "num_key_value_heads": n_kv,
-        "intermediate_size": int(f.require(key("feed_forward_length"))),
+        "intermediate_size": int(scalar("feed_forward_length")),
         "max_position_embeddings": int(m.get(key("context_length"), 2048)),
         "rope_theta": float(m.get(key("rope.freq_base"), 10000.0)),
         "rms_norm_eps": float(m.get(key("attention.layer_norm_rms_epsilon"), 1e-5)),
