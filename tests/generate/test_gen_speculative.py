@@ -1,7 +1,6 @@
 """Speculative decoding: exact acceptance rule, greedy equivalence, and the target's output distribution."""
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest

@@ -27,7 +27,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import torch
-from torch import Tensor
 
 from seqlab.eval import timing
 from seqlab.generate.config import GenerationConfig
