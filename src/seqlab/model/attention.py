@@ -45,13 +45,12 @@ class SelfAttention(nn.Module):
     def forward(self, x: Tensor, inputs: AttentionInputs, layer: int) -> Tensor:
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
-        q, k, v = self.qkv(x).split((H * D, Hkv * D, Hkv * D), dim=-1)
-        q = q.view(B, T, H, D).transpose(1, 2)
-        k = k.view(B, T, Hkv, D).transpose(1, 2)
+        qk, v = self.qkv(x).split(((H + Hkv) * D, Hkv * D), dim=-1)
+        qk = qk.view(B, T, H + Hkv, D)
+        if inputs.rope is not None:  # one rotation for queries and keys together
+            qk = apply_rotary(qk, *inputs.rope)
+        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
         v = v.view(B, T, Hkv, D).transpose(1, 2)
-        if inputs.rope is not None:
-            cos, sin = inputs.rope
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if inputs.cache is not None:
             k, v = inputs.cache.update(layer, k, v)
         y = F.scaled_dot_product_attention(

@@ -34,6 +34,9 @@ class KVCache:
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.pos = 0
         self.max_len = max_len
+        # True while every written slot of every row is valid: decode steps then need no mask at all, and knowing
+        # it from a Python flag (rather than reducing ``valid`` each step) keeps the decode step free of syncs.
+        self.dense = True
         # encoder-decoder models: cross-attention K/V, computed once per encoder output and reused every step
         self.cross_k: list[Tensor | None] = [None] * n_layers
         self.cross_v: list[Tensor | None] = [None] * n_layers
@@ -51,14 +54,21 @@ class KVCache:
         """[B] number of real tokens held by each row (its fill level)."""
         return self.valid[:, : self.pos].sum(dim=1)
 
-    def reserve(self, n_new: int, new_valid: Tensor) -> None:
-        """Claim slots [pos, pos+n_new) for the next forward pass and record which of them hold real tokens."""
+    def reserve(self, n_new: int, new_valid: Tensor | None = None) -> None:
+        """Claim slots [pos, pos+n_new) for the next forward pass and record which of them hold real tokens.
+
+        ``new_valid`` [B, n_new] marks real tokens; None means all of them are real.
+        """
         if self.pos + n_new > self.max_len:
             raise CacheOverflowError(
                 f"KV cache overflow: it holds {self.max_len} positions, {self.pos} are used and {n_new} more were "
                 f"requested; allocate a larger cache (max_len) or shorten the prompt/generation"
             )
-        self.valid[:, self.pos : self.pos + n_new] = new_valid
+        if new_valid is None:
+            self.valid[:, self.pos : self.pos + n_new] = True
+        else:
+            self.valid[:, self.pos : self.pos + n_new] = new_valid
+            self.dense = self.dense and bool(new_valid.all())
 
     def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write this step's K/V at the reserved slots; return K/V for every slot written so far."""
@@ -84,6 +94,7 @@ class KVCache:
             slots = torch.arange(self.max_len, device=self.valid.device)
             self.valid &= slots[None, :] < n[:, None]
             self.pos = int(n.max())
+            self.dense = self.dense and bool((n == self.pos).all())
         else:
             if not 0 <= n <= self.pos:
                 raise ValueError(f"crop({n}) outside the filled range [0, {self.pos}]")

@@ -67,22 +67,38 @@ class MLP(nn.Module):
 class Rotary(nn.Module):
     """Rotary position embedding, rotate-half convention (as Hugging Face Llama).
 
-    cos/sin are computed from explicit position ids, in fp32, so padded rows and cache decoding use exactly the
-    positions a single unpadded sequence would.
+    cos/sin for every position of the context are tabulated once (computed in fp32, like the reference) and
+    gathered by explicit position ids, so padded rows and cache decoding use exactly the positions a single
+    unpadded sequence would, and a decode step costs one gather instead of rebuilding the tables.
     """
 
-    def __init__(self, head_dim: int, base: float):
+    def __init__(self, head_dim: int, base: float, max_len: int):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.base = head_dim, base
+        cos, sin = self._table(max_len)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _table(self, n: int, device=None) -> tuple[Tensor, Tensor]:
+        d = self.head_dim
+        inv_freq = 1.0 / (self.base ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+        freqs = torch.arange(n, dtype=torch.int64, device=device).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def ensure(self, n: int) -> None:
+        """Grow the tables to ``n`` positions (rotary positions are not limited to the trained context)."""
+        if n > self.cos.shape[0]:
+            cos, sin = self._table(n, self.cos.device)
+            self.cos, self.sin = cos.to(self.cos.dtype), sin.to(self.sin.dtype)
 
     def forward(self, position_ids: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        freqs = position_ids[:, :, None].float() * self.inv_freq[None, None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [B, 1, T, head_dim]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """[B, T] positions -> cos, sin of shape [B, T, 1, head_dim] (broadcast over heads)."""
+        return self.cos[position_ids][:, :, None].to(dtype), self.sin[position_ids][:, :, None].to(dtype)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` [B, T, heads, head_dim] by the angles in cos/sin [B, T, 1, head_dim]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
@@ -119,13 +135,8 @@ class Embeddings(nn.Module):
         x = self.tok(input_ids)
         if self.scale != 1.0:
             x = x * self.scale
-        if self.pos is not None:
-            if int(position_ids.max()) >= self.cfg.max_seq_len:
-                raise ValueError(
-                    f"position {int(position_ids.max())} exceeds the learned position table "
-                    f"(max_seq_len={self.cfg.max_seq_len})"
-                )
-            x = x + self.pos(position_ids + self.cfg.pos_offset)
+        if self.pos is not None:  # positions < max_seq_len: the Stack bounds sequence and cache lengths
+            x = x + self.pos(position_ids + self.cfg.pos_offset if self.cfg.pos_offset else position_ids)
         elif self.cfg.pos == "sinusoidal":
             x = x + sinusoidal_embedding(position_ids, self.cfg.d_model).to(x.dtype)
         if self.token_type is not None:

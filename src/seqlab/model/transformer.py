@@ -59,32 +59,46 @@ class Stack(nn.Module):
         super().__init__()
         self.cfg, self.causal = cfg, causal
         self.embed = Embeddings(cfg, tok)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_base) if cfg.pos == "rope" else None
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_base, cfg.max_seq_len) if cfg.pos == "rope" else None
         self.blocks = nn.ModuleList(Block(cfg, cross) for _ in range(n_layers))
         self.norm = make_norm(cfg) if cfg.final_norm else nn.Identity()
 
     def new_cache(self, batch_size: int, max_len: int, dtype=None, device=None) -> KVCache:
+        self._check_length(max_len)
         p = self.embed.tok.weight
         return KVCache(len(self.blocks), batch_size, self.cfg.n_kv_heads, self.cfg.head_dim, max_len,
                        dtype=dtype or p.dtype, device=device or p.device)
 
+    def _check_length(self, n: int) -> None:
+        """Learned positions end at max_seq_len; rotary ones extend (their table grows, outside the decode loop)."""
+        if n > self.cfg.max_seq_len:
+            if self.cfg.pos == "learned":
+                raise ValueError(f"{n} positions exceed the learned position table (max_seq_len={self.cfg.max_seq_len})")
+            if self.rotary is not None:
+                self.rotary.ensure(n)
+
     def _prepare(self, input_ids, attention_mask, position_ids, cache, document_ids) -> tuple[AttentionInputs, Tensor]:
         B, T = input_ids.shape
         device = input_ids.device
+        if cache is None:
+            self._check_length(T)
         if cache is not None:
             if not self.causal:
                 raise ValueError("a KV cache only makes sense for causal (decoder) self-attention")
             if cache.batch_size != B:
                 raise ValueError(f"cache holds {cache.batch_size} rows but the input has {B}")
-            new_valid = torch.ones(B, T, dtype=torch.bool, device=device) if attention_mask is None else attention_mask.bool()
-            if position_ids is None:
-                position_ids = masks.positions_from_mask(new_valid, start=cache.lengths())
             start = cache.pos
-            cache.reserve(T, new_valid)
-            if start == 0 and _all_true(new_valid):
-                inputs = AttentionInputs(mask=None, is_causal=T > 1, cache=cache)
-            elif T == 1 and _all_true(cache.valid[:, : start + 1]):
-                inputs = AttentionInputs(mask=None, cache=cache)
+            if position_ids is None:
+                if attention_mask is None and cache.dense:
+                    position_ids = (torch.arange(start, start + T, device=device)).expand(B, T)
+                else:
+                    new = torch.ones(B, T, dtype=torch.long, device=device) if attention_mask is None else attention_mask
+                    position_ids = masks.positions_from_mask(new, start=cache.lengths())
+            cache.reserve(T, attention_mask)
+            if cache.dense:  # no padding, no holes: plain causal attention (or none at all for one query)
+                inputs = AttentionInputs(mask=None, is_causal=start == 0 and T > 1, cache=cache)
+                if start > 0 and T > 1:
+                    inputs.mask = masks.cached_self_attention_mask(cache.valid, start, T)
             else:
                 inputs = AttentionInputs(mask=masks.cached_self_attention_mask(cache.valid, start, T), cache=cache)
         elif document_ids is not None:
