@@ -30,5 +30,5 @@ def test_mean_of_micro_batch_means_would_differ(tmp_path):
     right = sum(o.loss_sum.item() for o in outs) / sum(o.n_targets for o in outs)
     naive = sum(o.loss_sum.item() / o.n_targets for o in outs) / 2
     whole = obj.loss(model, obj.collate(rows))
-    assert abs(right - float(whole.loss_sum) / whole.n_targets) < 1e-6
+    assert abs(right - whole.loss_sum.item() / whole.n_targets) < 1e-6
     assert abs(naive - right) > 1e-4
