@@ -18,7 +18,7 @@ Examples:
   seqlab nnqs --molecule h2o
   seqlab nnqs --atom "Li 0 0 0; H 0 0 1.6" --basis sto-3g --out runs/lih16
   seqlab nnqs --atom "O 0 0 0; H 0 0 0.97" --spin 1          # OH radical (ROHF orbitals)
-  torchrun --nproc-per-node 2 -m seqlab.cli.nnqs --molecule lih   # samples split over 2 processes
+  torchrun --standalone --nproc-per-node 2 -m seqlab.cli.nnqs --molecule lih   # samples split over 2 processes
 """
 
 

@@ -123,6 +123,8 @@ def sample(
     done_tokens, done_counts = [], []
     while stack:
         lv = stack.pop()
+        if lv.prefix.shape[0] == 0:  # this rank's share is empty
+            continue
         i = lv.prefix.shape[1]
         if i == n:
             if lv.shared:  # the tree never got wide enough to split early: split the leaves

@@ -155,11 +155,14 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
     s = sample(wf, cfg.samples, shared, cfg.sampler, dist.rank, dist.world_size, local)
     t1 = time.perf_counter()
     keys = tokens_to_keys(s.tokens)
-    logp, phase = wf(s.tokens)
-    log_psi = torch.complex(0.5 * logp.detach().double(), phase.detach().double())
-    table = PsiTable(keys, log_psi)
-    with torch.no_grad():
-        eloc = local_energy(ham, keys, log_psi, table, make_evaluator(wf), cfg.local_energy)
+    if len(keys):
+        logp, phase = wf(s.tokens)
+        log_psi = torch.complex(0.5 * logp.detach().double(), phase.detach().double())
+        with torch.no_grad():
+            eloc = local_energy(ham, keys, log_psi, PsiTable(keys, log_psi), make_evaluator(wf), cfg.local_energy)
+    else:  # this rank's share of the sample tree is empty (tiny spaces, many ranks)
+        logp = phase = torch.zeros(0)
+        eloc = torch.zeros(0, dtype=torch.complex128)
     t2 = time.perf_counter()
     w = s.counts.double() / s.n_total
     sums = torch.stack(((w * eloc.real).sum(), (w * eloc.imag).sum(), (w * eloc.abs() ** 2).sum(),
@@ -169,7 +172,7 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
     var = max(e2 - e_re**2 - e_im**2, 0.0)
     de = eloc - complex(e_re, e_im)
     opt.zero_grad(set_to_none=True)
-    if cfg.sr and dist.world_size == 1:
+    if cfg.sr:
         _sr_direction(wf, s.tokens, w, eloc, complex(e_re, e_im), cfg.sr_shift)
     else:
         a = de.real
@@ -178,18 +181,21 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
             lp = logp.detach().double()
             mean_lp = dist.all_reduce((w * lp).sum().reshape(1))[0]
             a = a + temp * (lp - mean_lp)
-        loss = (w * (a * logp.double() + 2 * de.imag * phase.double())).sum()
-        loss.backward()
-    params = [p for p in wf.parameters() if p.grad is not None]
-    if dist.world_size > 1:
-        flat = torch.cat([p.grad.flatten() for p in params])
-        dist.all_reduce(flat)
-        offset = 0
-        for p in params:
-            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-    if cfg.grad_clip:
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        if len(keys):
+            loss = (w * (a * logp.double() + 2 * de.imag * phase.double())).sum()
+            loss.backward()
+    params = list(wf.parameters())
+    for p in params:  # a rank whose share of the tree is empty still joins the all-reduce
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.flatten() for p in params])
+    dist.all_reduce(flat)
+    if cfg.grad_clip:  # global-norm clipping (same on every rank: after the all-reduce)
+        flat.mul_(min(1.0, cfg.grad_clip / (float(flat.norm()) + 1e-12)))
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
     lr = lr_at(cfg, step)
     for group in opt.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
@@ -241,7 +247,8 @@ def evaluate_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: Di
     s = sample(wf, n_s, shared, cfg.sampler, dist.rank, dist.world_size, local)
     keys = tokens_to_keys(s.tokens)
     log_psi = wf.log_psi(s.tokens)
-    eloc = local_energy(ham, keys, log_psi, PsiTable(keys, log_psi), evaluate, "exact")
+    eloc = (local_energy(ham, keys, log_psi, PsiTable(keys, log_psi), evaluate, "exact") if len(keys)
+            else torch.zeros(0, dtype=torch.complex128))
     w = s.counts.double() / n_s
     sums = torch.stack(((w * eloc.real).sum(), (w * eloc.abs() ** 2).sum()))
     dist.all_reduce(sums)
@@ -350,12 +357,17 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     ``checkpoint_every`` steps and at the end, convergence.png. ``callback(stats)`` is called after every step.
     """
     dist = dist or Dist()
+    if cfg.sr and dist.world_size > 1:
+        raise ValueError("VMCConfig.sr: stochastic reconfiguration is implemented for one process only")
     out = Path(out) if out is not None else None
     torch.manual_seed(cfg.seed)  # identical initial parameters on every rank
     wf = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta, ansatz)
     groups = [{"params": list(wf.decoder.parameters()), "lr_scale": 1.0},
               {"params": list(wf.phase_net.parameters()), "lr_scale": cfg.phase_lr_scale}]
-    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    if cfg.sr:  # the natural-gradient direction is already preconditioned: plain steps along it
+        opt = torch.optim.SGD(groups, lr=cfg.lr)
+    else:
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
     start_step, records = 0, []
     if resume and out is not None and (out / "checkpoint" / "state.json").exists():
         start_step = load_checkpoint(out, wf, opt)

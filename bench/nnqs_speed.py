@@ -1,0 +1,114 @@
+"""NNQS speed: sampling with vs without the KV cache (N2, 20 spin orbitals), bf16 vs fp32 log P, and the time of
+one VMC step split into sampling / local energy / backward+update.
+
+    python bench/nnqs_speed.py                  # prints a table, writes bench/results/nnqs_speed.json
+    python bench/nnqs_speed.py --samples 1e6 --d-model 128 --layers 4
+
+The sampler's cost grows with the number of *unique* prefixes, so the table reports it next to each time.
+The ansatz is freshly initialised (nearly uniform P: the widest tree, i.e. the first VMC steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
+from seqlab.nnqs.distributed import Dist
+from seqlab.nnqs.molecules import get_molecule, prepare
+from seqlab.nnqs.sampler import SamplerConfig, sample
+from seqlab.nnqs.vmc import VMCConfig, vmc_step
+
+
+def timed(fn, repeats: int) -> tuple[float, object]:
+    times, out = [], None
+    for _ in range(repeats):
+        t = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--molecule", default="n2")
+    ap.add_argument("--samples", type=float, nargs="+", default=[1e3, 1e5])
+    ap.add_argument("--d-model", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--vmc-steps", type=int, default=2)
+    ap.add_argument("--vmc-samples", type=float, default=1e4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default="bench/results/nnqs_speed.json")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    system = prepare(get_molecule(a.molecule), fci=False, cc=False)
+    ham = system.hamiltonian
+    acfg = AnsatzConfig(d_model=a.d_model, n_layers=a.layers, n_heads=a.heads)
+    torch.manual_seed(0)
+    wf = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta, acfg).eval()
+    rows = []
+    print(f"{a.molecule}: {ham.n_so} spin orbitals, ansatz d_model={a.d_model} layers={a.layers}, "
+          f"{sum(p.numel() for p in wf.parameters())} parameters, {a.threads} threads")
+    print(f"{'N_s':>8}{'unique':>8}{'cache s':>10}{'no-cache s':>12}{'speed-up':>10}")
+    for ns in a.samples:
+        n = int(ns)
+        t_c, s = timed(lambda: sample(wf, n, torch.Generator().manual_seed(0), SamplerConfig(use_cache=True)),
+                       a.repeats)
+        t_n, _ = timed(lambda: sample(wf, n, torch.Generator().manual_seed(0), SamplerConfig(use_cache=False)),
+                       a.repeats)
+        rows.append({"samples": n, "unique": len(s.tokens), "cache_s": t_c, "no_cache_s": t_n, "speedup": t_n / t_c})
+        print(f"{n:>8.0e}{len(s.tokens):>8}{t_c:>10.3f}{t_n:>12.3f}{t_n / t_c:>9.2f}x", flush=True)
+
+    # bf16: how far is log P from fp32, and how much faster? (decides whether bf16 may be used at all)
+    tok = s.tokens
+    with torch.no_grad():
+        t32, lp32 = timed(lambda: wf.log_prob(tok), a.repeats)
+
+        def bf16():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return wf.log_prob(tok)
+
+        t16, lp16 = timed(bf16, a.repeats)
+    dlp = (lp16.double() - lp32.double()).abs()
+    p = lp32.double().exp()
+    bf16_row = {"configs": len(tok), "fp32_s": t32, "bf16_s": t16, "max_abs_dlogP": float(dlp.max()),
+                "mean_abs_dlogP": float(dlp.mean()), "rel_err_P_weighted": float((p * dlp).sum() / p.sum())}
+    print(f"log P on {len(tok)} configurations: fp32 {t32:.3f} s, bf16 autocast {t16:.3f} s; "
+          f"|dlogP| max {bf16_row['max_abs_dlogP']:.2e}, mean {bf16_row['mean_abs_dlogP']:.2e}")
+
+    # one VMC step, broken down
+    cfg = VMCConfig(steps=max(a.vmc_steps, 1), samples=int(a.vmc_samples), anneal=0.0)
+    wf_t = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta, acfg)
+    opt = torch.optim.AdamW(wf_t.parameters(), lr=cfg.lr)
+    steps = [vmc_step(wf_t, ham, opt, cfg, i, Dist()) for i in range(a.vmc_steps)]
+    br = {k: statistics.median(getattr(st, k) for st in steps) for k in ("t_sample", "t_local_energy", "t_backward")}
+    br["n_unique"] = steps[-1].n_unique
+    total = sum(br[k] for k in ("t_sample", "t_local_energy", "t_backward"))
+    print(f"VMC step (N_s={int(a.vmc_samples):.0e}, {br['n_unique']} unique, exact E_loc): "
+          f"sampling {br['t_sample']:.2f} s, local energy {br['t_local_energy']:.2f} s, "
+          f"backward+update {br['t_backward']:.2f} s, total {total:.2f} s")
+    meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": a.threads,
+            "torch": torch.__version__, "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M"),
+            "load_avg": os.getloadavg()}
+    out = {"meta": meta, "molecule": a.molecule, "ansatz": acfg.__dict__, "sampling": rows, "bf16": bf16_row,
+           "vmc_step": br}
+    path = Path(a.json)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=2) + "\n")
+    os.replace(tmp, path)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
