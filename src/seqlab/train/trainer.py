@@ -206,8 +206,9 @@ class Trainer:
 
                 doc = {"format": "seqlab", "seqlab_version": seqlab.__version__, "config": self._model_config_dict()}
                 extra["config.json"] = (json.dumps(doc, indent=2) + "\n").encode()
-            if (self.out_dir / "tokenizer.json").is_file():
-                extra["tokenizer.json"] = (self.out_dir / "tokenizer.json").read_bytes()
+            for name in ("tokenizer.json", "tokenizer_config.json"):  # the config keeps the chat template
+                if (self.out_dir / name).is_file():
+                    extra[name] = (self.out_dir / name).read_bytes()
             path = ckpt.save_checkpoint(self.ckpt_root, self.step, model_sd, optim_sd, state, self.cfg.keep_last,
                                         extra_files=extra)
             self.last_checkpoint = path
@@ -369,7 +370,10 @@ class Trainer:
         loss_sum, n, n_bytes, has_bytes = (float(x) for x in sums)
         if n == 0:
             return {}
-        res = {"val_loss": loss_sum / n, "val_ppl": math.exp(min(loss_sum / n, 50.0)), "val_targets": int(n)}
+        res = {"val_loss": loss_sum / n, "val_targets": int(n)}
+        if self.objective.name == "dpo":  # a per-pair preference loss: perplexity and bits per byte mean nothing
+            return res
+        res["val_ppl"] = math.exp(min(loss_sum / n, 50.0))
         if has_bytes and n_bytes > 0:
             res["val_bpb"] = loss_sum / (math.log(2) * n_bytes)
             res["val_bytes"] = int(n_bytes)
