@@ -163,15 +163,9 @@ class ByteTokenizer(Tokenizer):
 @lru_cache(maxsize=1)
 def _byte_level_decoder_table() -> dict[str, int]:
     """GPT-2's printable-unicode alias of every byte, inverted (char -> byte)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs)}
+    from seqlab.io.tokenizer import _bytes_to_unicode
+
+    return {c: b for b, c in _bytes_to_unicode().items()}
 
 
 _SPECIAL_NAMES = {
