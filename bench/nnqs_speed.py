@@ -28,13 +28,16 @@ from seqlab.nnqs.sampler import SamplerConfig, sample
 from seqlab.nnqs.vmc import VMCConfig, vmc_step
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    times, out = [], None
+def timed(fn, repeats: int) -> tuple[float, object, float]:
+    """(median wall s, last output, median CPU s of this process). On a shared machine the CPU time is the
+    steadier figure; with --threads 1 it is what an idle core would take."""
+    times, cpu, out = [], [], None
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         out = fn()
         times.append(time.perf_counter() - t)
-    return statistics.median(times), out
+        cpu.append(time.process_time() - c)
+    return statistics.median(times), out, statistics.median(cpu)
 
 
 def main() -> None:
@@ -47,7 +50,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vmc-steps", type=int, default=2)
     ap.add_argument("--vmc-samples", type=float, default=1e4)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default="bench/results/nnqs_speed.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -59,31 +62,35 @@ def main() -> None:
     rows = []
     print(f"{a.molecule}: {ham.n_so} spin orbitals, ansatz d_model={a.d_model} layers={a.layers}, "
           f"{sum(p.numel() for p in wf.parameters())} parameters, {a.threads} threads")
-    print(f"{'N_s':>8}{'unique':>8}{'cache s':>10}{'no-cache s':>12}{'speed-up':>10}")
+    print(f"{'N_s':>8}{'unique':>8}{'cache s':>10}{'no-cache s':>12}{'speed-up':>10}{'cache cpu s':>13}"
+          f"{'no-cache cpu s':>16}{'cpu speed-up':>14}")
     for ns in a.samples:
         n = int(ns)
-        t_c, s = timed(lambda: sample(wf, n, torch.Generator().manual_seed(0), SamplerConfig(use_cache=True)),
+        t_c, s, c_c = timed(lambda: sample(wf, n, torch.Generator().manual_seed(0), SamplerConfig(use_cache=True)),
                        a.repeats)
-        t_n, _ = timed(lambda: sample(wf, n, torch.Generator().manual_seed(0), SamplerConfig(use_cache=False)),
+        t_n, _, c_n = timed(lambda: sample(wf, n, torch.Generator().manual_seed(0), SamplerConfig(use_cache=False)),
                        a.repeats)
-        rows.append({"samples": n, "unique": len(s.tokens), "cache_s": t_c, "no_cache_s": t_n, "speedup": t_n / t_c})
-        print(f"{n:>8.0e}{len(s.tokens):>8}{t_c:>10.3f}{t_n:>12.3f}{t_n / t_c:>9.2f}x", flush=True)
+        rows.append({"samples": n, "unique": len(s.tokens), "cache_s": t_c, "no_cache_s": t_n, "speedup": t_n / t_c,
+                     "cache_cpu_s": c_c, "no_cache_cpu_s": c_n, "cpu_speedup": c_n / c_c})
+        print(f"{n:>8.0e}{len(s.tokens):>8}{t_c:>10.3f}{t_n:>12.3f}{t_n / t_c:>9.2f}x{c_c:>13.3f}{c_n:>16.3f}"
+              f"{c_n / c_c:>13.2f}x", flush=True)
 
     # bf16: how far is log P from fp32, and how much faster? (decides whether bf16 may be used at all)
     tok = s.tokens
     with torch.no_grad():
-        t32, lp32 = timed(lambda: wf.log_prob(tok), a.repeats)
+        t32, lp32, c32 = timed(lambda: wf.log_prob(tok), a.repeats)
 
         def bf16():
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return wf.log_prob(tok)
 
-        t16, lp16 = timed(bf16, a.repeats)
+        t16, lp16, c16 = timed(bf16, a.repeats)
     dlp = (lp16.double() - lp32.double()).abs()
     p = lp32.double().exp()
-    bf16_row = {"configs": len(tok), "fp32_s": t32, "bf16_s": t16, "max_abs_dlogP": float(dlp.max()),
+    bf16_row = {"configs": len(tok), "fp32_s": t32, "bf16_s": t16, "fp32_cpu_s": c32, "bf16_cpu_s": c16, "max_abs_dlogP": float(dlp.max()),
                 "mean_abs_dlogP": float(dlp.mean()), "rel_err_P_weighted": float((p * dlp).sum() / p.sum())}
-    print(f"log P on {len(tok)} configurations: fp32 {t32:.3f} s, bf16 autocast {t16:.3f} s; "
+    print(f"log P on {len(tok)} configurations: fp32 {t32:.3f} s ({c32:.3f} cpu), bf16 autocast {t16:.3f} s "
+          f"({c16:.3f} cpu); "
           f"|dlogP| max {bf16_row['max_abs_dlogP']:.2e}, mean {bf16_row['mean_abs_dlogP']:.2e}")
 
     # one VMC step, broken down

@@ -11,9 +11,10 @@ import sys
 import time
 
 EPILOG = """\
-Expected run time with the defaults on 2 laptop-class CPU cores (measured, see docs/nnqs.md):
-  h2 ~15 s, lih ~1.5 min, h2o ~3 min (all to chemical accuracy, < 1.6 mHa vs FCI);
-  nh3 and n2 (16 and 20 spin orbitals) take ~10-20 min and may need --steps 800 or more.
+Expected run time with the defaults (measured on 2 shared CPU cores, 1 thread; see docs/nnqs.md):
+  h2 ~15 s, lih ~2 min, h2o ~2.5-5 min, all to chemical accuracy (< 1.6 mHa vs FCI).
+  nh3 (16 spin orbitals): ~25 min with --steps 600 (1.2 mHa measured).
+  n2, c2 (20 spin orbitals): hours on 2 cores (every early step touches all 14400/44100 determinants).
 Examples:
   seqlab nnqs --molecule h2o
   seqlab nnqs --atom "Li 0 0 0; H 0 0 1.6" --basis sto-3g --out runs/lih16
@@ -42,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="exact (unbiased) or the sample-space approximation of NNQS-Transformer/NAQS (biased)")
     p.add_argument("--lr", type=float, default=5e-3, help="peak AdamW learning rate (warmup, cosine decay)")
     p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--anneal", type=float, default=0.05,
+    p.add_argument("--anneal", type=float, default=0.07,
                    help="entropy annealing strength (fraction of the diagonal energy spread); 0 disables")
     p.add_argument("--sr", action="store_true", help="stochastic reconfiguration (minSR; slow, small systems)")
     p.add_argument("--d-model", type=int, default=64)

@@ -52,7 +52,7 @@ class VMCConfig:
     local_energy: str = "exact"
     # entropy annealing: minimise E - T*S(P), T decaying linearly to 0 over the first anneal_frac of the steps.
     # T0 = anneal * (spread of diagonal energies over the first step's samples), so one value fits all molecules.
-    anneal: float = 0.05
+    anneal: float = 0.07
     anneal_frac: float = 0.5
     sr: bool = False
     sr_shift: float = 1e-3  # diagonal shift of the minSR kernel, relative to its mean diagonal
