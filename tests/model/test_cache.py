@@ -112,3 +112,16 @@ def test_overflow_raises_and_nbytes():
     model(torch.randint(0, 97, (2, 6)), cache=cache)
     with pytest.raises(CacheOverflowError, match="holds 8 positions"):
         model(torch.randint(0, 97, (2, 3)), cache=cache)
+
+
+def test_select_leaves_the_parent_untouched():
+    model = build_model(cfg(DECODERS["llama"])).eval()
+    ids = torch.randint(0, 97, (2, 6))
+    parent = model.new_cache(2, 16)
+    model(ids[:, :5], cache=parent)
+    before = parent.k[0].clone()
+    child = parent.select(torch.tensor([1, 1, 0]))
+    out = model(ids[[1, 1, 0], 5:6], cache=child)
+    assert child.batch_size == 3 and parent.batch_size == 2 and parent.pos == 5
+    assert torch.equal(parent.k[0], before)
+    assert (out[:, -1] - model(ids[[1, 1, 0]])[:, -1]).abs().max() < TOL

@@ -9,6 +9,8 @@ are harmless.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 
@@ -114,6 +116,15 @@ class KVCache:
         self.cross_v = [None if t is None else t.index_select(0, index) for t in self.cross_v]
         if self.memory_mask is not None:
             self.memory_mask = self.memory_mask.index_select(0, index)
+
+    def select(self, index: Tensor) -> "KVCache":
+        """A new cache holding rows ``index`` of this one; this cache is left untouched.
+
+        The NNQS sampler uses it to split one wide level of prefixes into chunks that each branch on their own.
+        """
+        selected = copy.copy(self)
+        selected.reorder(index)  # reorder rebinds every tensor, so the shallow copy shares nothing it writes
+        return selected
 
     @property
     def nbytes(self) -> int:

@@ -22,7 +22,6 @@ exactly one sample tree of N_s samples.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -80,11 +79,7 @@ def multinomial_split(counts: Tensor, probs: Tensor, generator: torch.Generator 
 
 
 def _take_rows(level: _Level, rows: Tensor, shared: bool) -> _Level:
-    cache = None
-    if level.cache is not None:
-        # reorder() mutates the cache; a shallow copy lets several chunks select from one parent cache
-        cache = copy.copy(level.cache)
-        cache.reorder(rows)
+    cache = None if level.cache is None else level.cache.select(rows)  # the parent stays intact for other chunks
     return _Level(level.prefix[rows], level.counts[rows], cache, shared)
 
 
