@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from seqlab.data.collate import pad_labels, pad_sequences, pad_with_mask
@@ -40,7 +41,13 @@ def next_token_labels(labels: Tensor, document_ids: Tensor | None = None,
 def causal_lm_loss(logits: Tensor, labels: Tensor, document_ids: Tensor | None = None,
                    attention_mask: Tensor | None = None) -> tuple[Tensor, int]:
     """(sum of next-token CE, number of targets) for logits [B, T, V] and unshifted labels [B, T]."""
-    return token_cross_entropy(logits[:, :-1], next_token_labels(labels, document_ids, attention_mask))
+    return token_cross_entropy(logits, _pad_last(next_token_labels(labels, document_ids, attention_mask)))
+
+
+def _pad_last(targets: Tensor) -> Tensor:
+    """[B, T-1] targets -> [B, T] with nothing to predict at the last position, so the CE can read the logits
+    tensor as it is (slicing logits[:, :-1] would force a copy of the largest activation of the step)."""
+    return F.pad(targets, (0, 1), value=IGNORE_INDEX)
 
 
 def _as_example(e: Any) -> dict[str, Sequence[int]]:
@@ -87,6 +94,6 @@ class CausalLM(BaseObjective):
     def loss(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> ObjectiveOutput:
         logits = self.forward(model, batch)
         targets = self.targets(batch)
-        loss_sum, n = token_cross_entropy(logits[:, :-1], targets)
+        loss_sum, n = token_cross_entropy(logits, _pad_last(targets))
         return ObjectiveOutput(loss_sum, n, {"loss": float(loss_sum.detach()) / max(n, 1)},
                                count_bytes(targets, self.byte_table))

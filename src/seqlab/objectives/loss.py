@@ -52,6 +52,11 @@ def token_cross_entropy(logits: Tensor, labels: Tensor) -> tuple[Tensor, int]:
     n = int(valid.sum())
     if n == 0:
         return logits.sum() * 0.0, 0  # keeps the graph connected (DDP needs every parameter to get a grad)
+    if 2 * n >= valid.numel():
+        # mostly valid (pretraining): one fused CE over the whole tensor; a boolean gather would copy the logits
+        # forward and scatter them back in the backward pass
+        flat = logits.reshape(-1, logits.shape[-1])
+        return F.cross_entropy(flat.float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"), n
     picked = logits[valid].float()
     return F.cross_entropy(picked, labels[valid], reduction="sum"), n
 
