@@ -31,6 +31,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
+from seqlab.io.checkpoint import atomic_write_text
+
 PAD, BOS, EOS, MASK = "<pad>", "<bos>", "<eos>", "<mask>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, MASK, IM_START, IM_END)
@@ -157,7 +159,7 @@ class ByteTokenizer(Tokenizer):
         return [1] * 256 + [0] * len(self.special_tokens)
 
     def save(self, path: str | os.PathLike) -> None:
-        _atomic_write_text(Path(path), json.dumps({"seqlab_byte_tokenizer": list(self.special_tokens)}))
+        atomic_write_text(Path(path), json.dumps({"seqlab_byte_tokenizer": list(self.special_tokens)}))
 
 
 @lru_cache(maxsize=1)
@@ -279,15 +281,7 @@ class HFTokenizer(Tokenizer):
             name = {i: t for t, i in self.special_tokens.items()}
             cfg = {f"{k}_token": name.get(getattr(self, f"{k}_id")) for k in ("pad", "bos", "eos", "mask")}
             cfg.update(chat_template=self.chat_template, seqlab_eot_token=self.eot_token)
-            _atomic_write_text(path.with_name("tokenizer_config.json"), json.dumps(cfg, indent=2))
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(text)
-    os.replace(tmp, path)
+            atomic_write_text(path.with_name("tokenizer_config.json"), json.dumps(cfg, indent=2))
 
 
 def bpe_cache_key(texts: Sequence[str], vocab_size: int, specials: Sequence[str] = SPECIAL_TOKENS) -> str:

@@ -28,7 +28,9 @@ class CheckpointError(ValueError):
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write via a temporary file in the same folder and ``os.replace``: readers see the old or the new file."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:

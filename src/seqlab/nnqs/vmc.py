@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from seqlab.io.checkpoint import atomic_write_text
 from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
 from seqlab.nnqs.distributed import Dist
 from seqlab.nnqs.hamiltonian import Hamiltonian
@@ -259,14 +260,6 @@ def evaluate_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: Di
 
 
 # --- files ---------------------------------------------------------------------------------------------------
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def save_checkpoint(out: Path, wf: Wavefunction, opt: torch.optim.Optimizer, step: int, extra: dict) -> None:
