@@ -1,8 +1,10 @@
 """NNQS speed: sampling with vs without the KV cache (N2, 20 spin orbitals), bf16 vs fp32 log P, and the time of
-one VMC step split into sampling / local energy / backward+update.
+one VMC step split into sampling / local energy / backward+update, for exact local energies on the per-sample
+enumeration path and on the sector fast path (H precomputed over the whole sector; see nnqs/local_energy.py).
 
     python bench/nnqs_speed.py                  # prints a table, writes bench/results/nnqs_speed.json
     python bench/nnqs_speed.py --samples 1e6 --d-model 128 --layers 4
+    python bench/nnqs_speed.py --vmc-samples 1e3 1e4 1e10 --vmc-steps 3
 
 The sampler's cost grows with the number of *unique* prefixes, so the table reports it next to each time.
 The ansatz is freshly initialised (nearly uniform P: the widest tree, i.e. the first VMC steps).
@@ -25,6 +27,7 @@ from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
 from seqlab.nnqs.distributed import Dist
 from seqlab.nnqs.molecules import get_molecule, prepare
 from seqlab.nnqs.sampler import SamplerConfig, sample
+from seqlab.nnqs.local_energy import SectorHamiltonian
 from seqlab.nnqs.vmc import VMCConfig, vmc_step
 
 
@@ -49,7 +52,8 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--vmc-steps", type=int, default=2)
-    ap.add_argument("--vmc-samples", type=float, default=1e4)
+    ap.add_argument("--vmc-samples", type=float, nargs="+", default=[1e3, 1e4, 1e10],
+                    help="N_s of the VMC step breakdown (1e10: every configuration sampled, as while annealing)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default="bench/results/nnqs_speed.json")
     a = ap.parse_args()
@@ -93,22 +97,32 @@ def main() -> None:
           f"({c16:.3f} cpu); "
           f"|dlogP| max {bf16_row['max_abs_dlogP']:.2e}, mean {bf16_row['mean_abs_dlogP']:.2e}")
 
-    # one VMC step, broken down
-    cfg = VMCConfig(steps=max(a.vmc_steps, 1), samples=int(a.vmc_samples), anneal=0.0)
-    wf_t = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta, acfg)
-    opt = torch.optim.AdamW(wf_t.parameters(), lr=cfg.lr)
-    steps = [vmc_step(wf_t, ham, opt, cfg, i, Dist()) for i in range(a.vmc_steps)]
-    br = {k: statistics.median(getattr(st, k) for st in steps) for k in ("t_sample", "t_local_energy", "t_backward")}
-    br["n_unique"] = steps[-1].n_unique
-    total = sum(br[k] for k in ("t_sample", "t_local_energy", "t_backward"))
-    print(f"VMC step (N_s={int(a.vmc_samples):.0e}, {br['n_unique']} unique, exact E_loc): "
-          f"sampling {br['t_sample']:.2f} s, local energy {br['t_local_energy']:.2f} s, "
-          f"backward+update {br['t_backward']:.2f} s, total {total:.2f} s")
+    # one VMC step, broken down: exact local energies per sample vs on the precomputed sector H
+    t_b, sector, c_b = timed(lambda: SectorHamiltonian(ham, progress=False), 1)
+    print(f"sector H: {len(sector)} configurations, {sector.matrix.nnz} nonzeros, built in {t_b:.2f} s "
+          f"({c_b:.2f} cpu), {sector.matrix.data.nbytes + sector.matrix.indices.nbytes >> 20} MiB")
+    vmc_rows = []
+    for ns in a.vmc_samples:
+        for e_path, sec in (("per-sample", None), ("sector", sector)):
+            cfg = VMCConfig(steps=max(a.vmc_steps, 1), samples=int(ns), anneal=0.0)
+            torch.manual_seed(0)
+            wf_t = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta, acfg)
+            opt = torch.optim.AdamW(wf_t.parameters(), lr=cfg.lr)
+            steps = [vmc_step(wf_t, ham, opt, cfg, i, Dist(), sector=sec) for i in range(a.vmc_steps)]
+            br = {k: statistics.median(getattr(st, k) for st in steps)
+                  for k in ("t_sample", "t_local_energy", "t_backward")}
+            br.update(samples=int(ns), path=e_path, n_unique=steps[-1].n_unique,
+                      total=br["t_sample"] + br["t_local_energy"] + br["t_backward"])
+            vmc_rows.append(br)
+            print(f"VMC step (N_s={int(ns):.0e}, {br['n_unique']} unique, exact E_loc, {e_path}): "
+                  f"sampling {br['t_sample']:.2f} s, local energy {br['t_local_energy']:.2f} s, "
+                  f"backward+update {br['t_backward']:.2f} s, total {br['total']:.2f} s", flush=True)
     meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": a.threads,
             "torch": torch.__version__, "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M"),
             "load_avg": os.getloadavg()}
     out = {"meta": meta, "molecule": a.molecule, "ansatz": acfg.__dict__, "sampling": rows, "bf16": bf16_row,
-           "vmc_step": br}
+           "sector_build": {"configurations": len(sector), "nnz": sector.matrix.nnz, "wall_s": t_b, "cpu_s": c_b},
+           "vmc_step": vmc_rows}
     path = Path(a.json)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -29,6 +29,7 @@ from torch import Tensor
 
 from seqlab.generate.engine import decode_step, prefill
 from seqlab.nnqs.ansatz import BOS, Wavefunction
+from seqlab.nnqs.space import valid_token_mask
 
 
 @dataclass
@@ -155,3 +156,40 @@ def sample(
     tokens = torch.cat(done_tokens) if done_tokens else torch.zeros(0, n, dtype=torch.long, device=dev)
     counts = torch.cat(done_counts) if done_counts else torch.zeros(0, dtype=torch.float64, device=dev)
     return Samples(tokens, counts.round().long(), n_samples)
+
+
+@torch.no_grad()
+def enumerate_log_prob(wf: Wavefunction, max_batch: int = 65536) -> tuple[Tensor, Tensor]:
+    """Every valid configuration [D, n_orb] and its log P [D] (float32), by walking the *whole* prefix tree.
+
+    The sector fast path of exact local energies needs psi on every configuration each step. Walking the tree like
+    ``sample`` (every valid child kept instead of a multinomial split) reads each shared prefix once on the KV
+    cache, several times cheaper than one parallel forward over the finished configurations. Levels wider than
+    ``max_batch`` are finished depth-first in chunks (bounded memory). Rows come out in tree order, not by key.
+    """
+    dev = next(wf.parameters()).device
+    n, dec = wf.n_orb, wf.decoder
+    stack = [(torch.zeros(1, 0, dtype=torch.long, device=dev), torch.zeros(1, device=dev), dec.new_cache(1, n))]
+    done_tokens, done_lp = [], []
+    while stack:
+        prefix, lp, cache = stack.pop()
+        i = prefix.shape[1]
+        if i == n:
+            done_tokens.append(prefix)
+            done_lp.append(lp)
+            continue
+        if i == 0:
+            logits = prefill(dec, torch.full((len(prefix), 1), BOS, dtype=torch.long, device=dev), cache)
+        else:
+            logits = decode_step(dec, prefix[:, -1], cache)
+        alpha_left, beta_left = wf.n_alpha - (prefix & 1).sum(1), wf.n_beta - (prefix >> 1).sum(1)
+        cond = wf.masked_log_probs(logits, alpha_left, beta_left, n - i)
+        row, tok = torch.nonzero(valid_token_mask(alpha_left, beta_left, n - i), as_tuple=True)
+        cache.reorder(row)
+        nxt = (torch.cat((prefix[row], tok[:, None]), 1), lp[row] + cond[row, tok], cache)
+        if len(row) > max_batch:
+            stack.extend((nxt[0][c], nxt[1][c], cache.select(c))
+                         for c in reversed(torch.arange(len(row), device=dev).split(max_batch)))
+        else:
+            stack.append(nxt)
+    return torch.cat(done_tokens), torch.cat(done_lp)
