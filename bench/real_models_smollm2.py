@@ -9,9 +9,12 @@ and only ratios from the same run mean anything:
 * batch-1 and batch-8 decode tok/s: ``new / (t(prompt -> 1 + new tokens) - t(prompt -> 1 token))``, so prefill
   and the first token are subtracted the same way for both libraries. EOS is disabled (HF: ``min_new_tokens``).
 * TTFT: a 512-token prompt, one new token.
+* columns: ``seqlab`` (dense weights, as ``load_gguf`` returns them), ``seqlab+packed`` (after
+  ``seqlab.model.pack_for_inference``, as ``seqlab chat`` runs), ``hf``.
 * weight-streaming bound: every Linear weight of the model (incl. the 49152x576 LM head) applied to one activation
-  row per sequence, back to back, in the model's dtype -- the step time if a decode step did nothing but read the
-  weights once. ``bound / step`` is the fraction of the step spent on useful weight streaming.
+  row per sequence, back to back, in the model's dtype, with the faster of ``F.linear`` on dense weights and oneDNN
+  on packed ones -- the step time if a decode step did nothing but read the weights once. ``bound / step`` is the
+  fraction of the step spent on useful weight streaming.
 * peak RSS: each implementation in its own subprocess (load + TTFT prompt + 32 decode steps), ``VmHWM``.
   HF's number includes its GGUF import (it dequantises everything in float32 first); seqlab's includes ours.
 
@@ -33,6 +36,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from seqlab.generate.bench import packed_copy, weight_bound_ms
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROMPTS = [
@@ -79,19 +84,22 @@ def long_prompt(tok, n: int) -> torch.Tensor:
     return torch.tensor([ids[:n]])
 
 
-def runners(model, hf, ids, mask, compiled: bool = False):
+def runners(model, hf, ids, mask, compiled: bool = False, packed=None):
     from seqlab.generate import GenerationConfig, generate_output
 
-    def ours(k, compile_=False):
-        return lambda: generate_output(model, ids, mask, GenerationConfig(max_new_tokens=k, eos_token_id=[],
-                                                                          compile=compile_))
+    def ours(k, compile_=False, m=model):
+        return lambda: generate_output(m, ids, mask, GenerationConfig(max_new_tokens=k, eos_token_id=[],
+                                                                      compile=compile_))
 
     def theirs(k):
         return lambda: hf.generate(ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k, do_sample=False,
                                    pad_token_id=2)
 
     impls = {"hf": theirs} if hf is not None else {}
-    impls["seqlab"] = ours
+    if model is not None:
+        impls["seqlab"] = ours
+    if packed is not None:
+        impls["seqlab+packed"] = lambda k: ours(k, m=packed)
     if compiled:
         impls["seqlab+compile"] = lambda k: ours(k, True)
     return impls
@@ -107,23 +115,6 @@ def _time(fn) -> float:
     return CLOCK() - t0
 
 
-def weight_bound_ms(model, batch: int, repeats: int = 10) -> float:
-    """Median time (same clock as the decode timings) to apply every Linear weight once to ``batch`` rows."""
-    from seqlab.generate.bench import weight_matrices
-
-    weights = weight_matrices(model)
-    xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
-    times = []
-    with torch.no_grad():
-        for i in range(repeats + 1):
-            t0 = CLOCK()
-            for w in weights:
-                torch.nn.functional.linear(xs[w.shape[1]], w)
-            if i:  # the first pass is a warm-up
-                times.append(CLOCK() - t0)
-    return statistics.median(times) * 1e3
-
-
 def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats: int, compiled: bool = False,
             log=print) -> dict:
     out: dict = {"decode": [], "ttft": [], "bound": []}
@@ -131,7 +122,8 @@ def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats
         model, tok, hf = load_models(path, DTYPES[dname])
         for batch in batches:
             ids, mask = chat_batch(tok, batch)
-            impls = runners(model, hf, ids, mask, compiled)
+            packed = packed_copy(model, batch)
+            impls = runners(model, hf, ids, mask, compiled, packed)
             for fn in impls.values():  # warm-up (and compile)
                 fn(8)()
                 fn(1)()
@@ -140,8 +132,11 @@ def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats
                 for name, fn in impls.items():
                     full, one = _time(fn(new_tokens + 1)), _time(fn(1))
                     samples[name].append((full - one) / new_tokens)
-            bound = weight_bound_ms(model, batch)
-            out["bound"].append({"dtype": dname, "batch": batch, "ms_per_step": bound, "tok_s": batch / bound * 1e3})
+            kernels = weight_bound_ms(model, batch, clock=CLOCK)
+            bound = kernels["bound"]
+            out["bound"].append({"dtype": dname, "batch": batch, "ms_per_step": bound, "tok_s": batch / bound * 1e3,
+                                 "by_kernel_ms": kernels})
+            log(f"{dname} batch {batch} weight bound: " + ", ".join(f"{k} {v:.2f} ms" for k, v in kernels.items()))
             for name, s in samples.items():
                 step = statistics.median(s)
                 row = {"dtype": dname, "batch": batch, "impl": name, "tok_s": batch / step, "ms_per_step": step * 1e3,
@@ -149,9 +144,10 @@ def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats
                 out["decode"].append(row)
                 log(f"{dname} batch {batch} {name:14s}: {row['tok_s']:7.1f} tok/s  {row['ms_per_step']:6.2f} ms/step  "
                     f"(bound {bound:.2f} ms = {row['frac_of_bound']:.0%})")
+            del packed
         ids = long_prompt(tok, ttft_len)
         mask = torch.ones_like(ids)
-        impls = runners(model, hf, ids, mask, compiled)
+        impls = runners(model, hf, ids, mask, compiled, packed_copy(model, 1))
         for fn in impls.values():
             fn(1)()
         t = {k: [] for k in impls}
@@ -180,8 +176,12 @@ def rss_worker(path: Path, impl: str, dtype: str, ttft_len: int) -> None:
         model, hf = None, hf.to(DTYPES[dtype]).eval()
     else:
         model, tok, hf = load_models(path, DTYPES[dtype], with_hf=False)
+        if impl == "seqlab+packed":  # packed in place, as `seqlab chat` does: no dense copy stays behind
+            from seqlab.model import pack_for_inference
+
+            pack_for_inference(model, 1)
     ids = long_prompt(tok, ttft_len)
-    fn = runners(model, hf, ids, torch.ones_like(ids))[impl]
+    fn = runners(model, hf, ids, torch.ones_like(ids))["hf" if impl == "hf" else "seqlab"]
     _time(fn(32))
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent (which holds both models)
     hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
@@ -191,7 +191,7 @@ def rss_worker(path: Path, impl: str, dtype: str, ttft_len: int) -> None:
 def peak_rss(path: Path, dtypes, ttft_len: int, threads: int | None = None, log=print) -> list[dict]:
     rows = []
     for dname in dtypes:
-        for impl in ("hf", "seqlab"):
+        for impl in ("hf", "seqlab", "seqlab+packed"):
             cmd = [sys.executable, __file__, "--rss-worker", impl, "--dtypes", dname, "--gguf", str(path),
                    "--ttft-len", str(ttft_len)] + (["--threads", str(threads)] if threads else [])
             res = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -213,11 +213,11 @@ def table(res: dict) -> str:
         h = d.get((dt, b, "hf"))
         vs = (f"{h['tok_s']:.1f} | {r['tok_s'] / h['tok_s']:.2f}x") if h else "- | -"
         lines.append(f"| {dt} | {b} | {impl} | {r['tok_s']:.1f} | {vs} | {b / r['bound_ms'] * 1e3:.1f} | {r['frac_of_bound']:.0%} |")
-    lines += ["", "| dtype | TTFT seqlab ms | TTFT HF ms | peak RSS seqlab MiB | peak RSS HF MiB |", "|---|---|---|---|---|"]
-    for dt in dict.fromkeys(r["dtype"] for r in res["ttft"]):
-        f = lambda x: f"{x:.0f}" if x is not None else "-"  # noqa: E731
-        lines.append(f"| {dt} | {f(t.get((dt, 'seqlab')))} | {f(t.get((dt, 'hf')))} | {f(m.get((dt, 'seqlab')))} | "
-                     f"{f(m.get((dt, 'hf')))} |")
+    lines += ["", "| dtype | impl | TTFT ms | vs HF | peak RSS MiB |", "|---|---|---|---|---|"]
+    f = lambda x: f"{x:.0f}" if x is not None else "-"  # noqa: E731
+    for (dt, impl), ms in t.items():
+        h = t.get((dt, "hf"))
+        lines.append(f"| {dt} | {impl} | {ms:.0f} | {f'{h / ms:.2f}x' if h else '-'} | {f(m.get((dt, impl)))} |")
     return "\n".join(lines)
 
 
@@ -236,7 +236,7 @@ def main(argv=None) -> int:
                     help="wall (perf_counter) or cpu (process CPU time; steadier on a shared machine with --threads 1)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 32 new tokens, 1 repeat, no RSS")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "real_models_smollm2.json"))
-    ap.add_argument("--rss-worker", choices=("hf", "seqlab"), help=argparse.SUPPRESS)
+    ap.add_argument("--rss-worker", choices=("hf", "seqlab", "seqlab+packed"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -66,6 +66,33 @@ def build_pair(args):
     return ours, hf, n_ours
 
 
+def weight_gemm_floor_s(args, dtype: torch.dtype, reps: int = 5) -> float:
+    """Seconds for the weight GEMMs of one training step alone: every linear layer's forward product and its two
+    backward products (input and weight gradients), back to back, at the step's shapes.
+
+    No implementation in the same precision can run a step faster than this (attention, softmax, norms and the
+    optimiser only add to it), so ``HF step / floor`` is the largest speed-up over HF that is possible at all.
+    """
+    n, d, v = args.batch_size * args.seq_len, args.d_model, args.vocab
+    shapes = [(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)] * args.n_layers + [(d, v)]
+    mats = [(torch.randn(n, i, dtype=dtype), torch.randn(i, o, dtype=dtype), torch.randn(n, o, dtype=dtype))
+            for i, o in shapes]
+
+    def once():
+        for x, w, gy in mats:
+            x @ w  # forward
+            gy @ w.t()  # input gradient
+            gy.t() @ x  # weight gradient
+
+    once()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def model_flops_per_token(args) -> float:
     d, L, V, T = args.d_model, args.n_layers, args.vocab, args.seq_len
     matmul_params = L * (4 * d * d + 2 * d * 4 * d) + V * d  # qkv+out, mlp up+down, lm head
@@ -153,6 +180,8 @@ def main() -> None:
             results.append({"library": name, "precision": precision, "step_s": sec, "tokens_per_s": tok_s,
                             "model_tflops": flops_tok * tok_s / 1e12, "mfu": flops_tok * tok_s / peaks[precision],
                             "step_s_all": ts, "params": n_params})
+    floors = {p: weight_gemm_floor_s(args, {"fp32": torch.float32, "bf16": torch.bfloat16}[p])
+              for p in args.precisions.split(",")}
     speedups = {}
     for precision in args.precisions.split(","):
         by = {r["library"]: r for r in results if r["precision"] == precision}
@@ -166,7 +195,14 @@ def main() -> None:
         sp = speedups[r["precision"]].get(r["library"], 1.0)
         print(f"{r['library']:<16}{r['precision']:<10}{r['tokens_per_s']:>10,.0f}{r['step_s'] * 1e3:>10.1f}"
               f"{r['model_tflops'] * 1e3:>10.1f}{r['mfu']:>8.1%}{sp:>7.2f}x")
+    ceilings = {}
+    for precision, floor in floors.items():
+        hf_step = next(r["step_s"] for r in results if r["precision"] == precision and r["library"] == "hf")
+        ceilings[precision] = hf_step / floor
+        print(f"{precision}: weight GEMMs alone take {floor * 1e3:.1f} ms per step (the floor for any "
+              f"implementation); HF's step / floor = {ceilings[precision]:.2f}x is the largest possible speed-up")
     out = {"config": vars(args), "flops_per_token": flops_tok, "matmul_peak_flops": peaks, "results": results,
+           "weight_gemm_floor_s": floors, "max_possible_speedup_vs_hf": ceilings,
            "speedup_vs_hf": speedups, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
            "threads": torch.get_num_threads()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -77,6 +77,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="reply length limit in tokens (default 256)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype (default float32)")
+    p.add_argument("--no-pack", action="store_true",
+                   help="keep the linear weights dense (by default float32 weights are packed for oneDNN, which "
+                        "makes decoding faster)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=run_chat)
 
@@ -176,6 +179,10 @@ def _load_chat_model(args):
     model, tokenizer = load_gguf(path, dtype=dtype)
     if not tokenizer.chat_template:
         raise ValueError(f"{path}: the file has no chat template (tokenizer.chat_template); use `seqlab generate` instead")
+    if not getattr(args, "no_pack", False):
+        from seqlab.model import pack_for_inference
+
+        pack_for_inference(model, rows_hint=1)
     return path, model, tokenizer
 
 

@@ -7,9 +7,13 @@ in the same run mean anything.
 * decode tok/s: ``new / (t(1 + new tokens) - t(1 token))`` for both libraries, i.e. the prefill and the first
   token are subtracted out the same way, so per-step overhead is all that differs.
 * TTFT: a 512-token prompt, ``max_new_tokens=1``.
-* weight bound: every weight matrix of the model applied to one activation row (``F.linear``), back to back,
-  in the model's dtype: the time a decode step would take if it did nothing but stream the weights once.
-  ``decode time / bound`` is then the fraction of each step spent on anything else (1.0 = perfect).
+* columns: ``seqlab`` (the model as built: dense ``nn.Linear`` weights), ``seqlab+packed`` (the same weights
+  after :func:`seqlab.model.pack_for_inference`, what ``seqlab generate``/``chat`` run on CPU fp32),
+  ``seqlab+compile`` (optional), ``hf``.
+* weight bound: every weight matrix of the model applied to ``batch`` activation rows, back to back, in the
+  model's dtype, with the faster of two kernels (``F.linear`` on dense weights, oneDNN on packed ones): the time
+  a decode step would take if it did nothing but stream the weights once. ``bound / step`` is the fraction of
+  each step that is weight streaming (1.0 = no overhead at all).
 """
 from __future__ import annotations
 
@@ -85,23 +89,41 @@ def build_models(bc: BenchConfig, dtype: torch.dtype, with_hf: bool):
 
 def weight_matrices(model) -> list[torch.Tensor]:
     """Every weight a decode step multiplies by (linear layers incl. the LM head; not the embedding lookup)."""
-    return [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    from seqlab.model.packing import PackedLinear
+
+    return [m.weight.detach() for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
 
 
 @torch.inference_mode()
-def weight_bound_ms(model, batch: int, repeats: int = 10) -> float:
+def weight_bound_ms(model, batch: int, repeats: int = 10, clock=None) -> dict[str, float]:
+    """Time to apply every weight matrix of ``model`` once to ``batch`` rows, per kernel, median of ``repeats``.
+
+    ``dense``: ``F.linear`` on the ``[out, in]`` weights (what an unpacked model, and HF, run); ``packed``: oneDNN
+    on the weights reordered for ``batch`` rows (what a packed model runs; fp32 CPU only). ``bound`` is the faster
+    of the two -- the honest floor for a decode step on this machine, whichever kernel a library picks.
+    """
+    from seqlab.model.packing import packing_available
+
+    clock = clock or CLOCK
     weights = weight_matrices(model)
     dtype = weights[0].dtype
     xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
-    for w in weights:  # warm up
-        F.linear(xs[w.shape[1]], w)
-    times = []
-    for _ in range(repeats):
-        t0 = CLOCK()
-        for w in weights:
-            F.linear(xs[w.shape[1]], w)
-        times.append(CLOCK() - t0)
-    return statistics.median(times) * 1e3
+    kernels = {"dense": [lambda w=w: F.linear(xs[w.shape[1]], w) for w in weights]}
+    if packing_available(dtype):
+        packed = [(w.shape[1], torch.ops.mkldnn._reorder_linear_weight(w, batch)) for w in weights]
+        kernels["packed"] = [lambda n=n, p=p: torch.ops.mkldnn._linear_pointwise(xs[n], p, None, "none", [], "")
+                             for n, p in packed]
+    times: dict[str, list[float]] = {k: [] for k in kernels}
+    for i in range(repeats + 1):
+        for name, calls in kernels.items():  # interleaved, so a slow phase of a shared machine hits both
+            t0 = clock()
+            for call in calls:
+                call()
+            if i:  # the first pass is a warm-up
+                times[name].append(clock() - t0)
+    out = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    out["bound"] = min(out.values())
+    return out
 
 
 CLOCK = time.perf_counter
@@ -129,21 +151,21 @@ def run_benchmark(bc: BenchConfig, log=print) -> dict:
         for batch in bc.batches:
             ids = torch.randint(0, bc.vocab_size, (batch, bc.decode_prompt_len), generator=g)
             n = bc.new_tokens
+            packed = packed_copy(model, batch)
 
-            def ours(k, compiled=False):
+            def ours(k, m=model, compiled=False):
                 cfg = GenerationConfig(max_new_tokens=k, eos_token_id=[], compile=compiled)
-                return lambda: generate_output(model, ids, None, cfg).sequences
-
-            def ours_compiled(k):
-                return ours(k, compiled=True)
+                return lambda: generate_output(m, ids, None, cfg).sequences
 
             def theirs(k):
                 return lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=k,
                                            min_new_tokens=k, do_sample=False, pad_token_id=0)
 
             impls = {"seqlab": ours}
+            if packed is not None:
+                impls["seqlab+packed"] = lambda k: ours(k, packed)
             if bc.compile:
-                impls["seqlab+compile"] = ours_compiled
+                impls["seqlab+compile"] = lambda k: ours(k, compiled=True)
             if hf is not None:
                 impls["hf"] = theirs
             outs = {}
@@ -159,38 +181,56 @@ def run_benchmark(bc: BenchConfig, log=print) -> dict:
                 if name != "seqlab":
                     log(f"{dname:5s} batch {batch:2d} {name}: {same:.0%} of rows token-identical to seqlab eager")
             samples: dict[str, list[float]] = {k: [] for k in impls}
-            bounds = []
+            bounds: list[dict[str, float]] = []
             for _ in range(bc.repeats):  # interleaved, so slow phases of the shared machine hit every column
                 for name, fn in impls.items():
                     t_full, t_one = _time(fn(n + 1)), _time(fn(1))
                     samples[name].append((t_full - t_one) / n)  # seconds per decode step
                 bounds.append(weight_bound_ms(model, batch))
-            bound = statistics.median(bounds)
+            bound = statistics.median(b["bound"] for b in bounds)
             results.setdefault("bound_samples_ms", []).append({"dtype": dname, "batch": batch, "samples": bounds})
+            log(f"{dname:5s} batch {batch:2d} weight bound: " + ", ".join(
+                f"{k} {statistics.median(b[k] for b in bounds):.2f} ms" for k in bounds[0]))
             for name, s in samples.items():  # noqa: B007
                 step = statistics.median(s)
                 row = BenchRow(dname, batch, name, batch / step, step * 1e3, bound, bound / (step * 1e3),
                                [x * 1e3 for x in s])
                 results["rows"].append(asdict(row))
-                log(f"{dname:5s} batch {batch:2d} {name:7s}: {row.decode_tok_s:8.1f} tok/s  "
+                log(f"{dname:5s} batch {batch:2d} {name:14s}: {row.decode_tok_s:8.1f} tok/s  "
                     f"{row.ms_per_step:6.2f} ms/step  bound {bound:5.2f} ms  ({row.frac_of_bound:.0%} of bound)")
+            del packed
         # TTFT for a long prompt, batch 1
         ids = torch.randint(0, bc.vocab_size, (1, bc.ttft_prompt_len), generator=g)
-        ttft: dict[str, list[float]] = {"seqlab": []}
+        packed = packed_copy(model, 1)
+        one = GenerationConfig(max_new_tokens=1, eos_token_id=[])
+        runs = {"seqlab": lambda: generate_output(model, ids, None, one)}
+        if packed is not None:
+            runs["seqlab+packed"] = lambda: generate_output(packed, ids, None, one)
         if hf is not None:
-            ttft["hf"] = []
+            runs["hf"] = lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
+                                             do_sample=False, pad_token_id=0)
+        ttft: dict[str, list[float]] = {k: [] for k in runs}
+        for fn in runs.values():
+            fn()  # warm-up
         for _ in range(bc.repeats):
-            ttft["seqlab"].append(_time(lambda: generate_output(model, ids, None,
-                                                                GenerationConfig(max_new_tokens=1, eos_token_id=[]))))
-            if hf is not None:
-                ttft["hf"].append(_time(lambda: hf.generate(ids, attention_mask=torch.ones_like(ids),
-                                                            max_new_tokens=1, do_sample=False, pad_token_id=0)))
+            for name, fn in runs.items():
+                ttft[name].append(_time(fn))
         for name, s in ttft.items():
             results["ttft"].append({"dtype": dname, "impl": name, "prompt_len": bc.ttft_prompt_len,
                                     "ttft_ms": statistics.median(s) * 1e3, "samples_ms": [x * 1e3 for x in s]})
-            log(f"{dname:5s} TTFT {bc.ttft_prompt_len}-token prompt {name:7s}: {statistics.median(s) * 1e3:7.1f} ms")
-        del model, hf
+            log(f"{dname:5s} TTFT {bc.ttft_prompt_len}-token prompt {name:14s}: {statistics.median(s) * 1e3:7.1f} ms")
+        del model, hf, packed
     return results
+
+
+def packed_copy(model, rows: int):
+    """A copy of ``model`` with its weights packed for ``rows``-row decode steps, or None where packing is unavailable."""
+    import copy
+
+    from seqlab.model.packing import pack_for_inference
+
+    packed = copy.deepcopy(model)
+    return packed if pack_for_inference(packed, rows) else None
 
 
 def ratio_table(results: dict) -> str:
@@ -204,10 +244,10 @@ def ratio_table(results: dict) -> str:
         lines.append(f"| {dt} | {b} | {impl} | {r['decode_tok_s']:.1f} | {r['ms_per_step']:.2f} | {ratio} | "
                      f"{r['bound_ms']:.2f} | {r['frac_of_bound']:.0%} |")
     lines.append("")
-    lines.append("| dtype | TTFT seqlab ms | TTFT HF ms |")
-    lines.append("|---|---|---|")
+    lines.append("| dtype | impl | TTFT ms | vs HF |")
+    lines.append("|---|---|---|---|")
     t = {(x["dtype"], x["impl"]): x["ttft_ms"] for x in results["ttft"]}
-    for dt in dict.fromkeys(x["dtype"] for x in results["ttft"]):
+    for (dt, impl), ms in t.items():
         hf_t = t.get((dt, "hf"))
-        lines.append(f"| {dt} | {t[(dt, 'seqlab')]:.1f} | {hf_t:.1f} |" if hf_t else f"| {dt} | {t[(dt, 'seqlab')]:.1f} | - |")
+        lines.append(f"| {dt} | {impl} | {ms:.1f} | {hf_t / ms:.2f}x |" if hf_t else f"| {dt} | {impl} | {ms:.1f} | - |")
     return "\n".join(lines)

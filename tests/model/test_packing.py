@@ -1,0 +1,90 @@
+"""Packed (oneDNN) linear weights: same logits, same greedy tokens, nothing lost on save, no silent gradients."""
+import pytest
+import torch
+
+from seqlab.config import ModelConfig
+from seqlab.generate import generate
+from seqlab.io import load_pretrained, save_pretrained
+from seqlab.model import PackedLinear, build_model, pack_for_inference
+from seqlab.model.packing import is_packed, packing_available
+
+pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN (mkldnn) support")
+
+
+def _model(tie: bool = True, bias: bool = False):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64,
+                      tie_embeddings=tie, bias=bias)
+    return build_model(cfg).eval()
+
+
+@pytest.mark.parametrize("tie,bias", [(True, False), (False, True)])
+def test_packed_model_matches_dense(tie, bias):
+    model = _model(tie, bias)
+    ids = torch.randint(0, 97, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0  # a left-padded row
+    with torch.no_grad():
+        ref = model(ids, mask)
+    ref_tokens = generate(model, ids, mask, max_new_tokens=12)
+    n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert pack_for_inference(model, rows_hint=3) == n_linear > 0
+    assert is_packed(model) and not any(type(m) is torch.nn.Linear for m in model.modules())
+    with torch.no_grad():
+        out = model(ids, mask)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(generate(model, ids, mask, max_new_tokens=12), ref_tokens)
+    if tie:  # the embedding keeps its dense table (lookups), the head its own packed copy
+        assert isinstance(model.stack.embed.tok.weight, torch.nn.Parameter)
+
+
+def test_repacking_for_another_row_count_keeps_the_weights():
+    model = _model()
+    x = torch.randn(8, 64)
+    pack_for_inference(model, rows_hint=1)
+    layer = model.lm_head.proj
+    before = layer(x)
+    assert pack_for_inference(model, rows_hint=8) > 0
+    assert model.lm_head.proj.rows_hint == 8
+    assert torch.allclose(model.lm_head.proj(x), before, atol=1e-6)
+    assert pack_for_inference(model, rows_hint=8) == 0  # already packed for 8 rows: nothing to do
+
+
+def test_state_dict_of_a_packed_model_is_dense_and_round_trips(tmp_path):
+    dense = _model()
+    packed = _model()
+    pack_for_inference(packed)
+    sd_dense, sd_packed = dense.state_dict(), packed.state_dict()
+    assert sd_dense.keys() == sd_packed.keys()
+    for k in sd_dense:
+        assert torch.equal(sd_dense[k], sd_packed[k]), k
+    save_pretrained(packed, tmp_path)
+    reloaded = load_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 97, (2, 7))
+    with torch.no_grad():
+        assert torch.allclose(reloaded(ids), dense(ids), atol=1e-6)
+    # loading a state dict into a packed model repacks its layers
+    other = _model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.01)
+    packed.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        assert torch.allclose(packed(ids), other(ids), atol=1e-5)
+
+
+def test_packed_layers_refuse_gradients():
+    model = _model()
+    pack_for_inference(model)
+    model.train()
+    ids = torch.randint(0, 97, (2, 5))
+    with pytest.raises(RuntimeError, match="packed for inference"):
+        model(ids)  # the embedding output requires grad: the first packed layer must refuse it
+    with torch.no_grad():
+        model(ids)  # inference is fine
+
+
+def test_packing_skips_what_it_cannot_pack():
+    model = _model().to(torch.bfloat16)
+    assert pack_for_inference(model) == 0
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
