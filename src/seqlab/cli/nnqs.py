@@ -14,7 +14,9 @@ EPILOG = """\
 Expected run time with the defaults (measured on 2 shared CPU cores, 1 thread; see docs/nnqs.md):
   h2 ~15 s, lih ~2 min, h2o ~2.5-5 min, all to chemical accuracy (< 1.6 mHa vs FCI).
   nh3 (16 spin orbitals): ~25 min with --steps 600 (1.2 mHa measured).
-  n2, c2 (20 spin orbitals): hours on 2 cores (every early step touches all 14400/44100 determinants).
+  n2 (20 spin orbitals): 1-2 s/step with --samples 1e4 (sector fast path); ~11 s/step with the default N_s
+  while annealing (all 14400 determinants sampled); see docs/nnqs.md for measured errors.
+  c2 (20 spin orbitals, 44100 determinants): not measured.
 Examples:
   seqlab nnqs --molecule h2o
   seqlab nnqs --atom "Li 0 0 0; H 0 0 1.6" --basis sto-3g --out runs/lih16
