@@ -132,7 +132,7 @@ def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats
                 for name, fn in impls.items():
                     full, one = _time(fn(new_tokens + 1)), _time(fn(1))
                     samples[name].append((full - one) / new_tokens)
-            kernels = weight_bound_ms(model, batch, clock=CLOCK)
+            kernels = weight_bound_ms(model, batch, clock=CLOCK, packed=packed)
             bound = kernels["bound"]
             out["bound"].append({"dtype": dname, "batch": batch, "ms_per_step": bound, "tok_s": batch / bound * 1e3,
                                  "by_kernel_ms": kernels})

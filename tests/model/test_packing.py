@@ -88,3 +88,15 @@ def test_packing_skips_what_it_cannot_pack():
     model = _model().to(torch.bfloat16)
     assert pack_for_inference(model) == 0
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def test_packed_decode_step_compiles_to_the_same_tokens():
+    """Under torch.compile a packed layer is an opaque custom op (oneDNN's packed tensors cannot be traced)."""
+    from seqlab.generate import generate_output
+
+    model = _model()
+    ids = torch.randint(0, 97, (2, 6))
+    pack_for_inference(model, rows_hint=2)
+    eager = generate_output(model, ids, max_new_tokens=8, eos_token_id=[]).sequences
+    compiled = generate_output(model, ids, max_new_tokens=8, eos_token_id=[], compile=True).sequences
+    assert torch.equal(compiled, eager)

@@ -9,7 +9,8 @@ in the same run mean anything.
 * TTFT: a 512-token prompt, ``max_new_tokens=1``.
 * columns: ``seqlab`` (the model as built: dense ``nn.Linear`` weights), ``seqlab+packed`` (the same weights
   after :func:`seqlab.model.pack_for_inference`, what ``seqlab generate``/``chat`` run on CPU fp32),
-  ``seqlab+compile`` (optional), ``hf``.
+  ``seqlab+packed+compile`` (optional: the packed model's decode step under ``torch.compile``; plain
+  ``seqlab+compile`` where packing is unavailable), ``hf``.
 * weight bound: every weight matrix of the model applied to ``batch`` activation rows, back to back, in the
   model's dtype, with the faster of two kernels (``F.linear`` on dense weights, oneDNN on packed ones): the time
   a decode step would take if it did nothing but stream the weights once. ``bound / step`` is the fraction of
@@ -95,24 +96,25 @@ def weight_matrices(model) -> list[torch.Tensor]:
 
 
 @torch.inference_mode()
-def weight_bound_ms(model, batch: int, repeats: int = 10, clock=None) -> dict[str, float]:
-    """Time to apply every weight matrix of ``model`` once to ``batch`` rows, per kernel, median of ``repeats``.
+def weight_bound_ms(model, batch: int, repeats: int = 10, clock=None, packed=None) -> dict[str, float]:
+    """Time to apply every weight matrix once to ``batch`` rows, per kernel, median of ``repeats``.
 
-    ``dense``: ``F.linear`` on the ``[out, in]`` weights (what an unpacked model, and HF, run); ``packed``: oneDNN
-    on the weights reordered for ``batch`` rows (what a packed model runs; fp32 CPU only). ``bound`` is the faster
-    of the two -- the honest floor for a decode step on this machine, whichever kernel a library picks.
+    ``dense``: ``F.linear`` on ``model``'s ``[out, in]`` weights (what an unpacked model, and HF, run); ``packed``:
+    oneDNN on the weights of ``packed`` (a :func:`seqlab.model.pack_for_inference`'d copy -- the very tensors a
+    packed decode step streams; fp32 CPU only). ``bound`` is the faster of the two: the honest floor for a decode
+    step on this machine, whichever kernel a library picks.
     """
-    from seqlab.model.packing import packing_available
+    from seqlab.model.packing import PackedLinear
 
     clock = clock or CLOCK
     weights = weight_matrices(model)
     dtype = weights[0].dtype
     xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
     kernels = {"dense": [lambda w=w: F.linear(xs[w.shape[1]], w) for w in weights]}
-    if packing_available(dtype):
-        packed = [(w.shape[1], torch.ops.mkldnn._reorder_linear_weight(w, batch)) for w in weights]
-        kernels["packed"] = [lambda n=n, p=p: torch.ops.mkldnn._linear_pointwise(xs[n], p, None, "none", [], "")
-                             for n, p in packed]
+    if packed is not None:
+        layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
+        kernels["packed"] = [lambda m=m: torch.ops.mkldnn._linear_pointwise(xs[m.in_features], m.packed, None, "none",
+                                                                            [], "") for m in layers]
     times: dict[str, list[float]] = {k: [] for k in kernels}
     for i in range(repeats + 1):
         for name, calls in kernels.items():  # interleaved, so a slow phase of a shared machine hits both
@@ -164,8 +166,9 @@ def run_benchmark(bc: BenchConfig, log=print) -> dict:
             impls = {"seqlab": ours}
             if packed is not None:
                 impls["seqlab+packed"] = lambda k: ours(k, packed)
-            if bc.compile:
-                impls["seqlab+compile"] = lambda k: ours(k, compiled=True)
+            if bc.compile:  # compile what runs fastest eagerly: the packed model where there is one
+                impls["seqlab+packed+compile" if packed is not None else "seqlab+compile"] = \
+                    lambda k: ours(k, packed if packed is not None else model, compiled=True)
             if hf is not None:
                 impls["hf"] = theirs
             outs = {}
@@ -186,7 +189,7 @@ def run_benchmark(bc: BenchConfig, log=print) -> dict:
                 for name, fn in impls.items():
                     t_full, t_one = _time(fn(n + 1)), _time(fn(1))
                     samples[name].append((t_full - t_one) / n)  # seconds per decode step
-                bounds.append(weight_bound_ms(model, batch))
+                bounds.append(weight_bound_ms(model, batch, packed=packed))
             bound = statistics.median(b["bound"] for b in bounds)
             results.setdefault("bound_samples_ms", []).append({"dtype": dname, "batch": batch, "samples": bounds})
             log(f"{dname:5s} batch {batch:2d} weight bound: " + ", ".join(

@@ -15,6 +15,9 @@ packed model loses nothing, and loading a state dict into one repacks it.
 """
 from __future__ import annotations
 
+import itertools
+import weakref
+
 import torch
 from torch import Tensor, nn
 
@@ -25,11 +28,30 @@ def packing_available(dtype: torch.dtype = torch.float32, device: torch.device |
             and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
+# torch.compile cannot trace oneDNN's opaque packed tensors, so a compiled graph calls packed layers through an
+# opaque custom op that names the layer by an integer handle (a constant to the compiler) instead.
+_LIVE: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+
+
+@torch.library.custom_op("seqlab::packed_linear", mutates_args=())
+def _packed_linear_op(x: Tensor, handle: int, out_features: int) -> Tensor:
+    layer = _LIVE[handle]
+    return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+
+
+@_packed_linear_op.register_fake
+def _(x: Tensor, handle: int, out_features: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 class PackedLinear(nn.Module):
     """``nn.Linear`` for inference, its weight reordered by oneDNN for products with about ``rows_hint`` rows."""
 
     def __init__(self, linear: nn.Linear | PackedLinear, rows_hint: int = 1):
         super().__init__()
+        self.handle = next(_HANDLES)
+        _LIVE[self.handle] = self
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.rows_hint = int(rows_hint)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
@@ -45,6 +67,8 @@ class PackedLinear(nn.Module):
         if x.requires_grad and torch.is_grad_enabled():
             raise RuntimeError("this model's linear weights are packed for inference (seqlab.model.packing); "
                                "gradients cannot flow through them. Train an unpacked model.")
+        if torch.compiler.is_compiling():
+            return _packed_linear_op(x, self.handle, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     @property
@@ -93,11 +117,12 @@ def pack_for_inference(model: nn.Module, rows_hint: int = 1) -> int:
             return m.rows_hint != rows_hint
         return type(m) is nn.Linear and packing_available(m.weight.dtype, m.weight.device)
 
-    targets = [(name, m) for name, m in model.named_modules() if wanted(m)]
-    for name, linear in targets:
+    # names, not modules: each dense layer must be freed as soon as its packed copy exists (peak memory ~ one layer)
+    targets = [name for name, m in model.named_modules() if wanted(m)]
+    for name in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(linear, rows_hint))
+        setattr(parent, child, PackedLinear(getattr(parent, child), rows_hint))
     return len(targets)
 
 
