@@ -50,6 +50,22 @@ def test_repacking_for_another_row_count_keeps_the_weights():
     assert pack_for_inference(model, rows_hint=8) == 0  # already packed for 8 rows: nothing to do
 
 
+def test_a_copy_of_a_packed_model_is_independent():
+    import copy
+
+    model = _model(tie=False, bias=True)
+    pack_for_inference(model)
+    clone = copy.deepcopy(model)
+    a, b = model.stack.blocks[0].attn.qkv, clone.stack.blocks[0].attn.qkv
+    assert a.handle != b.handle and a.packed is not b.packed
+    assert a.bias.data_ptr() != b.bias.data_ptr()
+    x = torch.randn(3, 64)
+    assert torch.equal(a(x), b(x))
+    with torch.no_grad():
+        b.bias.add_(1.0)
+    assert not torch.equal(a(x), b(x))
+
+
 def test_state_dict_of_a_packed_model_is_dense_and_round_trips(tmp_path):
     dense = _model()
     packed = _model()

@@ -57,6 +57,15 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.packed = self._pack(linear.weight.detach())  # a PackedLinear's .weight is its unpacked copy
 
+    def __deepcopy__(self, memo) -> PackedLinear:
+        """A copy with its own packed weight, bias and handle (a field-by-field copy would share the handle)."""
+        new = PackedLinear(self, self.rows_hint)
+        if new.bias is not None:
+            new.bias = nn.Parameter(new.bias.detach().clone(), requires_grad=False)
+        new.train(self.training)
+        memo[id(self)] = new
+        return new
+
     def _pack(self, weight: Tensor) -> Tensor:
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"weight of shape {tuple(weight.shape)} does not fit a "
