@@ -11,6 +11,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from seqlab.io.tokenizer import _bytes_to_unicode
+
 CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
@@ -19,15 +21,9 @@ TEMPLATE = (
 
 
 def byte_alphabet() -> list[str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for _, c in sorted(zip(bs, cs))]
+    """GPT-2's printable spelling of the bytes 0..255, in byte order (the base of a byte-level BPE vocab)."""
+    spelling = _bytes_to_unicode()
+    return [spelling[b] for b in range(256)]
 
 
 MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "Ġ Ġ"]
