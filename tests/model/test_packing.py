@@ -27,9 +27,9 @@ def test_packed_model_matches_dense(tie, bias):
     with torch.no_grad():
         ref = model(ids, mask)
     ref_tokens = generate(model, ids, mask, max_new_tokens=12)
-    n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert pack_for_inference(model, rows_hint=3) == n_linear > 0
-    assert is_packed(model) and not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert is_packed(model) and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     with torch.no_grad():
         out = model(ids, mask)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)

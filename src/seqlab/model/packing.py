@@ -21,6 +21,8 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from seqlab.model.linear import Linear
+
 
 def packing_available(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> bool:
     """True when this torch build can pack weights of ``dtype`` on ``device`` (fp32 on a CPU with oneDNN)."""
@@ -124,7 +126,7 @@ def pack_for_inference(model: nn.Module, rows_hint: int = 1) -> int:
     def wanted(m: nn.Module) -> bool:
         if isinstance(m, PackedLinear):
             return m.rows_hint != rows_hint
-        return type(m) is nn.Linear and packing_available(m.weight.dtype, m.weight.device)
+        return type(m) in (nn.Linear, Linear) and packing_available(m.weight.dtype, m.weight.device)
 
     # names, not modules: each dense layer must be freed as soon as its packed copy exists (peak memory ~ one layer)
     targets = [name for name, m in model.named_modules() if wanted(m)]

@@ -21,6 +21,7 @@ from seqlab.model import masks
 from seqlab.model.attention import AttentionInputs, CrossAttention, CrossInputs, SelfAttention
 from seqlab.model.cache import KVCache
 from seqlab.model.layers import MLP, Embeddings, Rotary, activation_fn, make_norm
+from seqlab.model.linear import Linear
 
 
 class Block(nn.Module):
@@ -96,8 +97,10 @@ class Stack(nn.Module):
                     position_ids = masks.positions_from_mask(new, start=cache.lengths())
             cache.reserve(T, attention_mask)
             if cache.dense:  # no padding, no holes: plain causal attention (or none at all for one query)
-                inputs = AttentionInputs(mask=None, is_causal=start == 0 and T > 1, cache=cache)
-                if start > 0 and T > 1:
+                # T first: a decode step (T == 1) then never compares the cache's fill level, which torch.compile
+                # treats as symbolic (a SymBool cannot be SDPA's ``is_causal``; the graph would break per layer)
+                inputs = AttentionInputs(mask=None, is_causal=T > 1 and bool(start == 0), cache=cache)
+                if T > 1 and start > 0:
                     inputs.mask = masks.cached_self_attention_mask(cache.valid, start, T)
             else:
                 inputs = AttentionInputs(mask=masks.cached_self_attention_mask(cache.valid, start, T), cache=cache)
@@ -146,8 +149,8 @@ class LMHead(nn.Module):
         super().__init__()
         self.transform = None
         if cfg.mlm_head_transform:
-            self.transform = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_model), _Activation(cfg.activation), make_norm(cfg))
-        self.proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
+            self.transform = nn.Sequential(Linear(cfg.d_model, cfg.d_model), _Activation(cfg.activation), make_norm(cfg))
+        self.proj = Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
         if cfg.tie_embeddings:
             self.proj.weight = tok.weight
 

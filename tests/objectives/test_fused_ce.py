@@ -1,0 +1,52 @@
+"""The fused summed cross-entropy of token_cross_entropy equals F.cross_entropy, loss and gradient."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from seqlab.objectives import IGNORE_INDEX, token_cross_entropy
+
+
+def _reference(logits, labels):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_matches_cross_entropy_with_ignored_positions(scale):
+    torch.manual_seed(0)
+    logits = torch.randn(3, 11, 50) * 4
+    labels = torch.randint(0, 50, (3, 11))
+    labels[0, -1] = labels[2, :3] = IGNORE_INDEX
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss, n = token_cross_entropy(a, labels)
+    ref = _reference(b, labels)
+    assert n == 29
+    assert torch.allclose(loss, ref, rtol=1e-6, atol=1e-4)
+    (loss * scale).backward()
+    (ref * scale).backward()
+    assert torch.allclose(a.grad, b.grad, atol=1e-7, rtol=1e-5)
+    assert a.grad[2, :3].abs().max() == 0  # ignored positions get no gradient
+
+
+def test_targets_far_below_the_best_logit_stay_exact():
+    """softmax underflows to 0 there; the loss must still be the exact -log_softmax, not inf."""
+    logits = torch.zeros(2, 4, 30)
+    logits[0, 1, 5] = -200.0
+    logits[1, 2, 7] = -1e4
+    labels = torch.zeros(2, 4, dtype=torch.long)
+    labels[0, 1], labels[1, 2] = 5, 7
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss, _ = token_cross_entropy(a, labels)
+    ref = _reference(b, labels)
+    assert torch.isfinite(loss) and torch.allclose(loss, ref, rtol=1e-6)
+    loss.backward()
+    ref.backward()
+    assert torch.allclose(a.grad, b.grad, atol=1e-7)
+
+
+def test_a_second_backward_through_the_same_graph_is_refused():
+    logits = torch.randn(4, 9, requires_grad=True)
+    loss, _ = token_cross_entropy(logits, torch.randint(0, 9, (4,)))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="one backward pass"):
+        loss.backward()
