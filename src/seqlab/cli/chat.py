@@ -80,6 +80,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-pack", action="store_true",
                    help="keep the linear weights dense (by default float32 weights are packed for oneDNN, which "
                         "makes decoding faster)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step: faster replies after a one-off compilation of a few "
+                        "minutes (see docs/generation.md)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=run_chat)
 
@@ -115,7 +118,7 @@ class ChatSession:
 
     def __init__(self, model, tokenizer, system: str | None = None, max_new_tokens: int = 256,
                  temperature: float = 0.7, top_p: float = 0.9, top_k: int = 0, repetition_penalty: float = 1.0,
-                 seed: int | None = 0):
+                 seed: int | None = 0, compile: bool = False):
         if max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         if temperature < 0:
@@ -123,7 +126,7 @@ class ChatSession:
         self.model, self.tokenizer, self.system = model, tokenizer, system
         self.gen = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature or 1.0,
                         top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, seed=seed,
-                        eos_token_id=turn_end_ids(tokenizer))
+                        eos_token_id=turn_end_ids(tokenizer), compile=compile)
         self.messages: list[dict[str, str]] = []
         self.reset()
 
@@ -190,7 +193,8 @@ def run_chat(args: argparse.Namespace) -> int:
     path, model, tokenizer = _load_chat_model(args)
     session = ChatSession(model, tokenizer, system=args.system, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          repetition_penalty=args.repetition_penalty, seed=args.seed)
+                          repetition_penalty=args.repetition_penalty, seed=args.seed,
+                          compile=getattr(args, "compile", False))
     if args.message is not None:
         print(session.reply(args.message).strip(), flush=True)
         return 0

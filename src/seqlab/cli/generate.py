@@ -39,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-pack", action="store_true",
                    help="keep the linear weights dense (by default fp32 CPU models are packed for oneDNN, which "
                         "makes decoding faster; see docs/generation.md)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step (greedy/sample): faster steps after a one-off compilation "
+                        "(tens of seconds to minutes; see docs/generation.md)")
     p.add_argument("--metrics", action="store_true", help="print TTFT, tokens/s, KV-cache bytes, peak memory")
     p.add_argument("--json", help="also write prompts, outputs and metrics to this JSON file")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -128,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty, num_beams=args.num_beams if strategy == "beam" else 1,
         length_penalty=args.length_penalty, num_speculative_tokens=args.num_speculative_tokens,
         eos_token_id=eos, pad_token_id=pad, stop_strings=args.stop, seed=args.seed, truncate_prompt=args.truncate,
+        compile=args.compile,
     )
     if strategy == "beam" and cfg.num_beams == 1:
         cfg = cfg.updated(num_beams=4)
