@@ -31,7 +31,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from seqlab.io.checkpoint import atomic_write_text
+from seqlab.runtime import atomic_write_text
 
 PAD, BOS, EOS, MASK = "<pad>", "<bos>", "<eos>", "<mask>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"

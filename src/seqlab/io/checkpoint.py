@@ -19,32 +19,9 @@ from torch import nn
 import seqlab
 from seqlab.config import ModelConfig
 from seqlab.model import build_model
+from seqlab.runtime import CheckpointError, atomic_write_bytes, atomic_write_text
 
 FORMAT = "seqlab"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, corrupted, or does not match the model it is loaded into."""
-
-
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write via a temporary file in the same folder and ``os.replace``: readers see the old or the new file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
 
 
 def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

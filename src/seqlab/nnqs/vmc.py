@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from seqlab.io.checkpoint import atomic_write_text
+from seqlab.runtime import atomic_write_text
 from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
 from seqlab.nnqs.distributed import Dist
 from seqlab.nnqs.hamiltonian import Hamiltonian

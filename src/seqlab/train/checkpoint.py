@@ -29,15 +29,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from seqlab.io.checkpoint import atomic_write_text  # noqa: F401  (re-exported for the trainer)
+from seqlab.runtime import CheckpointError, atomic_write_text  # noqa: F401  (re-exported for the trainer)
 
 FORMAT = "seqlab-train-checkpoint"
 VERSION = 1
 STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or incompatible; the message names the file."""
 
 
 # --- RNG states --------------------------------------------------------------------------------------------
