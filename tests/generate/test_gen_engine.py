@@ -219,13 +219,16 @@ def test_over_long_prompt_raises_or_truncates():
     long = torch.arange(20)[None] % 48
     with pytest.raises(ValueError, match=r"prompt of 20 tokens.*max_seq_len=16.*truncate_prompt"):
         generate(model, long, max_new_tokens=4)
+    # the model reads the last 16 tokens; the output keeps the prompt as given, so out[:, 20:] is the new tokens
     out = generate(model, long, max_new_tokens=4, truncate_prompt=True)
-    assert torch.equal(out, generate(model, long[:, -16:], max_new_tokens=4))
+    assert out.shape == (1, 24) and torch.equal(out[:, :20], long)
+    assert torch.equal(out[:, 20:], generate(model, long[:, -16:], max_new_tokens=4)[:, 16:])
     learned = tiny_decoder(pos="learned", max_seq_len=16)
     with pytest.raises(ValueError, match=r"prompt of 12 tokens \+ max_new_tokens=8 = 20 exceeds"):
         generate(learned, long[:, :12], max_new_tokens=8)
     out = generate(learned, long[:, :12], max_new_tokens=8, truncate_prompt=True)
-    assert out.shape == (1, 16) and torch.equal(out[:, :8], long[:, 4:12])
+    assert out.shape == (1, 20) and torch.equal(out[:, :12], long[:, :12])
+    assert torch.equal(out[:, 12:], generate(learned, long[:, 4:12], max_new_tokens=8)[:, 8:])
     with pytest.raises(ValueError, match=r"source of 19 tokens exceeds"):
         generate(tiny_encdec(max_seq_len=16), long % 40, max_new_tokens=4)  # id 1 is the pad id: 19 real
     with pytest.raises(ValueError, match=r"max_new_tokens=16 \+ the decoder start token exceeds"):
