@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from gen_helpers import tiny_decoder
+from gen_helpers import assert_same_tokens_up_to_ties, decoder_oracle, tiny_decoder
 
 from seqlab.cli import main
 from seqlab.data.tokenizers import ByteTokenizer
@@ -33,7 +33,8 @@ def test_generate_greedy_matches_the_library(ckpt, tmp_path, capsys):
     doc = json.loads(out_json.read_text())
     ids = [tok.bos_id] + tok.encode("hello")
     ref = generate(model, torch.tensor([ids]), max_new_tokens=6, eos_token_id=tok.eos_id)
-    assert doc["sequences"][0][: ref.shape[1]] == ref[0].tolist()
+    got = torch.tensor([doc["sequences"][0][: ref.shape[1]]])  # the CLI packs the weights: other kernels
+    assert_same_tokens_up_to_ties(got, ref, len(ids), decoder_oracle(model, torch.tensor([ids])))
     assert doc["metrics"]["ttft_s"] > 0 and doc["metrics"]["kv_cache_bytes"] > 0
     assert "ttft" in capsys.readouterr().err
 
