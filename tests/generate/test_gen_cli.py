@@ -58,3 +58,27 @@ def test_over_long_prompt_is_a_clear_error(ckpt, capsys):
                  "--truncate"]) == 0
     assert main(["generate", "--checkpoint", str(d), "--prompt", "x", "--top-p", "0"]) == 2
     assert "GenerationConfig.top_p must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_truncate_keeps_the_generated_text(ckpt, tmp_path, capsys):
+    """The model reads only the last tokens, but the output (stdout, JSON) still holds the new text."""
+    d, model, tok = ckpt
+    prompt = "the quick brown fox jumps over the lazy dog"  # 43 bytes + BOS > max_seq_len=32
+    out_json = tmp_path / "out.json"
+    assert main(["generate", "--checkpoint", str(d), "--prompt", prompt, "--max-new-tokens", "5", "--truncate",
+                 "--json", str(out_json), "--no-pack"]) == 0
+    ids = torch.tensor([[tok.bos_id] + tok.encode(prompt)])
+    ref = generate(model, ids, max_new_tokens=5, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+                   truncate_prompt=True)
+    new = ref[0, ids.shape[1]:].tolist()
+    assert new and ref.shape[1] == ids.shape[1] + len(new)
+    text = tok.decode(new)
+    doc = json.loads(out_json.read_text())
+    assert doc["outputs"] == [text] and doc["sequences"] == ref.tolist()
+    assert capsys.readouterr().out == f"{prompt}{text}\n"
+
+
+def test_zero_beams_is_an_error_not_greedy(ckpt, capsys):
+    d, _, _ = ckpt
+    assert main(["generate", "--checkpoint", str(d), "--prompt", "hi", "--num-beams", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "seqlab generate: error: --num-beams must be >= 1 (got 0)"

@@ -235,6 +235,11 @@ def test_stop_strings():
         (dict(num_beams=0), r"GenerationConfig\.num_beams"),
         (dict(num_beams=2, do_sample=True), r"beam search with sampling"),
         (dict(repetition_penalty=-1.0), r"repetition_penalty"),
+        (dict(eos_token_id=48), r"eos_token_id 48 is outside the model's vocabulary \[0, 48\)"),
+        (dict(eos_token_id=[3, 60]), r"eos_token_id 60 is outside the model's vocabulary"),
+        (dict(eos_token_id=-1), r"GenerationConfig\.eos_token_id must be"),
+        (dict(pad_token_id=48), r"pad_token_id 48 is outside the model's vocabulary \[0, 48\)"),
+        (dict(pad_token_id=-2), r"GenerationConfig\.pad_token_id must be"),
     ],
 )
 def test_invalid_parameters_raise(kwargs, match):
