@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from seqlab.generate.bench import packed_copy, weight_bound_ms
+from decode_bench import packed_copy, weight_bound_ms
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROMPTS = [

@@ -1,6 +1,7 @@
 """Decode benchmark: seqlab vs Hugging Face ``generate`` on the same weights, and the weight-streaming bound.
 
-Used by ``bench/generate_decode.py`` and ``seqlab bench``. Everything is measured in one process, interleaved
+Used by ``bench/generate_decode.py`` and ``bench/real_models_smollm2.py``; it lives outside the package because it
+imports ``transformers``, a development-only dependency. Everything is measured in one process, interleaved
 (HF, seqlab, HF, seqlab, ...) and summarised by the median, because the machine is shared and only ratios taken
 in the same run mean anything.
 
@@ -18,6 +19,7 @@ in the same run mean anything.
 """
 from __future__ import annotations
 
+import copy
 import os
 import statistics
 import time
@@ -25,6 +27,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from seqlab.config import ModelConfig
+from seqlab.generate import GenerationConfig, generate_output
+from seqlab.io.checkpoint import load_state_into
+from seqlab.io.hf import convert_hf_state_dict
+from seqlab.model import build_model
+from seqlab.model.packing import PackedLinear, pack_for_inference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -64,16 +74,8 @@ class BenchRow:
 
 def build_models(bc: BenchConfig, dtype: torch.dtype, with_hf: bool):
     """A random Llama-style model as HF ``LlamaForCausalLM`` and the same weights imported into seqlab."""
-    from seqlab.config import ModelConfig
-    from seqlab.model import build_model
-
     torch.manual_seed(bc.seed)
     if with_hf:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        from seqlab.io.checkpoint import load_state_into
-        from seqlab.io.hf import convert_hf_state_dict
-
         hcfg = LlamaConfig(vocab_size=bc.vocab_size, hidden_size=bc.d_model, intermediate_size=bc.d_ff,
                            num_hidden_layers=bc.n_layers, num_attention_heads=bc.n_heads,
                            num_key_value_heads=bc.n_kv_heads, max_position_embeddings=4096, rms_norm_eps=1e-5,
@@ -90,8 +92,6 @@ def build_models(bc: BenchConfig, dtype: torch.dtype, with_hf: bool):
 
 def weight_matrices(model) -> list[torch.Tensor]:
     """Every weight a decode step multiplies by (linear layers incl. the LM head; not the embedding lookup)."""
-    from seqlab.model.packing import PackedLinear
-
     return [m.weight.detach() for m in model.modules() if isinstance(m, (torch.nn.Linear, PackedLinear))]
 
 
@@ -104,8 +104,6 @@ def weight_bound_ms(model, batch: int, repeats: int = 10, clock=None, packed=Non
     packed decode step streams; fp32 CPU only). ``bound`` is the faster of the two: the honest floor for a decode
     step on this machine, whichever kernel a library picks.
     """
-    from seqlab.model.packing import PackedLinear
-
     clock = clock or CLOCK
     weights = weight_matrices(model)
     dtype = weights[0].dtype
@@ -138,8 +136,6 @@ def _time(fn) -> float:
 
 
 def run_benchmark(bc: BenchConfig, log=print) -> dict:
-    from seqlab.generate import GenerationConfig, generate_output
-
     global CLOCK
     CLOCK = time.process_time if bc.clock == "cpu" else time.perf_counter
     if bc.threads:
@@ -228,10 +224,6 @@ def run_benchmark(bc: BenchConfig, log=print) -> dict:
 
 def packed_copy(model, rows: int):
     """A copy of ``model`` with its weights packed for ``rows``-row decode steps, or None where packing is unavailable."""
-    import copy
-
-    from seqlab.model.packing import pack_for_inference
-
     packed = copy.deepcopy(model)
     return packed if pack_for_inference(packed, rows) else None
 
