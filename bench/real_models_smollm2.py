@@ -245,7 +245,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
-    from seqlab.cli.chat import packaged_smollm2
+    from seqlab.cli.packaged import packaged_smollm2
 
     path = Path(args.gguf) if args.gguf else packaged_smollm2()
     if path is None:

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from seqlab.cli.chat import load_embedder, sentence_embeddings
+from seqlab.cli.embed import load_embedder
+from seqlab.eval.embeddings import sentence_embeddings
 from tests.real_models.conftest import MINILM
 
 pytestmark = [MINILM]

@@ -157,12 +157,12 @@ def test_model_matches_hf(smollm, hf_smollm, monkeypatch, capsys):
         assert row[: len(exp)] == exp, (tok.decode(row[: len(exp)]), tok.decode(exp))
     assert sum(len(e) == 64 for e in expected) >= 2  # most replies run the full 64 tokens: long comparisons
 
-    import seqlab.io.gguf as gguf_module
+    import seqlab.cli.model_args as model_args
     from seqlab.cli import main
 
     # a copy: the CLI packs the model it loads in place, and the session fixture must stay a plain model
     loaded = copy.deepcopy(model)
-    monkeypatch.setattr(gguf_module, "load_gguf", lambda path, dtype=torch.float32: (loaded, tok))
+    monkeypatch.setattr(model_args, "load_gguf", lambda path, dtype=torch.float32, device=None: (loaded, tok))
     assert main(["chat", "--message", CHATS[0][0]["content"], "--temperature", "0", "--max-new-tokens", "64"]) == 0
     reply = capsys.readouterr().out
     from seqlab.model.packing import is_packed, packing_available

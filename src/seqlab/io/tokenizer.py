@@ -117,10 +117,10 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], source: str = "<gguf>") -> 
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     _set_post_processor(backend, spelled, bos if add_bos else None, eos if add_eos else None)
-    return cls(
-        backend, bos_token_id=bos, eos_token_id=eos, pad_token_id=tid("padding_token_id"),
-        unk_token_id=tid("unknown_token_id"), chat_template=metadata.get("tokenizer.chat_template"),
-        add_bos_token=add_bos, add_eos_token=add_eos, source=source,
+    return Tokenizer(
+        backend, bos_id=bos, eos_id=eos, pad_id=tid("padding_token_id"), unk_id=tid("unknown_token_id"),
+        chat_template=metadata.get("tokenizer.chat_template") or "", add_bos_token=add_bos,
+        add_eos_token=add_eos, name=source,
     )
 
 def _set_post_processor(backend: Backend, tokens: Sequence[str], bos: int | None, eos: int | None) -> None:
