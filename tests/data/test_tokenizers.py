@@ -147,3 +147,13 @@ def test_legacy_byte_tokenizer_file_still_loads(tmp_path):
     tok = load_tokenizer(path)
     assert isinstance(tok, ByteTokenizer) and tok.encode(TEXT) == ByteTokenizer().encode(TEXT)
     assert build_tokenizer(str(path)).vocab_size == 262
+
+
+def test_docs_standard_files_snippet_runs(tmp_path, monkeypatch):
+    """The 'One Tokenizer, standard files' snippet of docs/bring-your-own-model.md, run as written."""
+    doc = (Path(__file__).parents[2] / "docs" / "bring-your-own-model.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in doc.split("```python\n")[1:]]
+    snippet = next(b for b in blocks if 'save_pretrained("tok")' in b)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, "bring-your-own-model.md", "exec"), {})
+    assert (tmp_path / "tok" / "tokenizer_config.json").is_file()
