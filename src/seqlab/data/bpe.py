@@ -33,7 +33,8 @@ def bpe_cache_key(texts: Sequence[str], vocab_size: int, specials: Sequence[str]
 def _with_progress(texts: Sequence[str], enabled: bool) -> Iterator[str]:
     """The texts as the trainer reads them, behind a progress bar (the merge phase itself runs in Rust)."""
     total = sum(len(t) for t in texts)
-    with progress(total=total, desc="BPE training: reading", unit="char", unit_scale=True, enabled=enabled) as bar:
+    with progress(total=total, desc="BPE training: reading", unit="char", unit_scale=True, enabled=enabled,
+                  delay=2.0) as bar:
         for t in texts:
             yield t
             bar.update(len(t))

@@ -36,7 +36,7 @@ def sentence_embeddings(model, tokenizer: Tokenizer, texts: Sequence[str], max_l
         raise ValueError(f"max_length must be >= 2, got {max_length}")
     out = []
     starts = range(0, len(texts), batch_size)
-    for i in progress(starts, desc="embedding", unit="batch", enabled=show_progress):
+    for i in progress(starts, desc="embedding", unit="batch", enabled=show_progress, delay=2.0):
         batch = [ids[: max_length - 1] + ids[-1:] if len(ids) > max_length else ids
                  for ids in tokenizer.encode_batch(list(texts[i: i + batch_size]), add_special_tokens=True)]
         ids, mask = tokenizer.pad(batch, side="right")

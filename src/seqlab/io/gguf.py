@@ -339,7 +339,7 @@ def gguf_to_hf_state_dict(f: GGUFFile, hf_config: dict[str, Any], dtype: torch.d
     if unknown:
         raise GGUFError(f"{f.path}: unknown tensors for a Llama GGUF: {unknown[:10]}{' ...' if len(unknown) > 10 else ''}")
     out: dict[str, torch.Tensor] = {}
-    for name in progress(f.tensors, desc=f"loading {f.path.name}", unit="tensor", leave=False):
+    for name in progress(f.tensors, desc=f"loading {f.path.name}", unit="tensor", leave=False, delay=2.0):
         values = f.dequantize(name)
         if not np.isfinite(values).all():  # corrupted data: refuse here, where the GGUF tensor name is known
             raise GGUFError(f"{f.path}: tensor {name!r} has {int((~np.isfinite(values)).sum())} non-finite values "
