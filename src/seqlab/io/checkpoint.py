@@ -21,12 +21,12 @@ from seqlab.io.hf import load_hf
 from seqlab.io.tensors import load_state_into, load_tensors, read_config_json, save_tensors, unique_state_dict
 from seqlab.model import build_model
 from seqlab.runtime import CheckpointError, atomic_write_text
-from seqlab.train.checkpoint import latest_checkpoint, read_state, verify
+from seqlab.train.checkpoint import latest_checkpoint, load_checkpoint
 
 FORMAT = "seqlab"
 
 __all__ = ["CheckpointError", "FORMAT", "load_pretrained", "load_state_into", "model_config_from_doc",
-           "resolve_checkpoint", "save_pretrained", "verify_checkpoint"]
+           "resolve_checkpoint", "save_pretrained"]
 
 
 def save_pretrained(model: nn.Module, out_dir: str | os.PathLike) -> Path:
@@ -60,12 +60,6 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     return latest
 
 
-def verify_checkpoint(folder: Path) -> None:
-    """Check every file against the sha256 in ``state.json`` when the folder is a training checkpoint."""
-    if (folder / "state.json").is_file():
-        verify(folder, read_state(folder))
-
-
 def model_config_from_doc(doc: dict, source: Path) -> ModelConfig:
     """The ModelConfig of a seqlab ``config.json`` document; a malformed one names the file and the field."""
     if not isinstance(doc.get("config"), dict):
@@ -80,7 +74,9 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     """Load a seqlab model folder, training checkpoint or run directory (latest checkpoint), verified; a Hugging
     Face folder is handed to ``load_hf``."""
     folder = resolve_checkpoint(path)
-    verify_checkpoint(folder)
+    tensors = None
+    if (folder / "state.json").is_file():  # a training checkpoint: every file is checked against its sha256 first
+        _, tensors, _ = load_checkpoint(folder, load_optimizer=False)
     doc = read_config_json(folder / "config.json")
     if doc.get("format") != FORMAT:
         if "model_type" not in doc:
@@ -88,5 +84,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
                                   "Hugging Face one (\"model_type\")")
         return load_hf(folder, dtype=dtype, device=device)
     model = build_model(model_config_from_doc(doc, folder / "config.json"))
-    load_state_into(model, load_tensors(folder / "model.safetensors"), str(folder / "model.safetensors"))
+    if tensors is None:
+        tensors = load_tensors(folder / "model.safetensors")
+    load_state_into(model, tensors, str(folder / "model.safetensors"))
     return model.to(device=device, dtype=dtype).eval()
