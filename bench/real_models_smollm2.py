@@ -169,12 +169,12 @@ def rss_worker(path: Path, impl: str, dtype: str, ttft_len: int) -> None:
     """Subprocess body: load one implementation, run a TTFT prompt and 32 decode steps, print peak RSS (MiB)."""
     if impl == "hf":
         from seqlab.io.gguf import read_gguf
-        from seqlab.io.tokenizer import Tokenizer
+        from seqlab.io.tokenizer import tokenizer_from_gguf
 
         _quiet()
         from transformers import AutoModelForCausalLM
 
-        tok = Tokenizer.from_gguf_metadata(read_gguf(path).metadata)
+        tok = tokenizer_from_gguf(read_gguf(path).metadata)
         hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
         model, hf = None, hf.to(DTYPES[dtype]).eval()
     else:
@@ -245,7 +245,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
-    from seqlab.cli.chat import packaged_smollm2
+    from seqlab.cli.packaged import packaged_smollm2
 
     path = Path(args.gguf) if args.gguf else packaged_smollm2()
     if path is None:

@@ -30,6 +30,32 @@ class ConfigError(ValueError):
         self.field = field_name
 
 
+_SCALARS = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def check_field_types(obj: Any) -> None:
+    """Each dataclass field holds its annotated scalar type (``"2"`` for an int is refused, naming the field).
+
+    JSON gives strings and bools where a hand-edited config.json goes wrong; catching that here turns a TypeError
+    deep inside validation or the model into one line naming the field. Floats accept ints; ints refuse bools.
+    """
+    for f in dataclasses.fields(obj):
+        kinds = [k.strip() for k in str(f.type).split("|")]
+        if not all(k in _SCALARS or k == "None" for k in kinds):
+            continue  # containers (extra) are free-form
+        value = getattr(obj, f.name)
+        if value is None and "None" in kinds:
+            continue
+        ok = any(
+            isinstance(value, bool) if k == "bool"
+            else (isinstance(value, (int, float)) and not isinstance(value, bool)) if k == "float"
+            else (isinstance(value, int) and not isinstance(value, bool)) if k == "int"
+            else isinstance(value, _SCALARS[k]) if k in _SCALARS else False
+            for k in kinds)
+        if not ok:
+            raise ConfigError(f.name, f"expected {f.type}, got {type(value).__name__} {value!r}")
+
+
 @dataclass
 class ModelConfig:
     """Architecture of a seqlab Transformer.
@@ -80,6 +106,7 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict)  # free-form provenance (e.g. source format); not used by the model
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         if self.arch not in ARCHITECTURES:
             raise ConfigError("arch", f"unknown architecture {self.arch!r}; expected one of {ARCHITECTURES}")
         if self.pos not in POSITIONS:

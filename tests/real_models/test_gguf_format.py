@@ -73,10 +73,10 @@ def test_tiny_llama_matches_hf_gguf_import(tiny):
 def test_tiny_tokenizer_from_metadata(tiny):
     path, _ = tiny
     _, tok = load_gguf(path)
-    assert tok.bos_token == "<|im_start|>" and tok.eos_token == "<|im_end|>" and tok.pad_token_id == 2
+    assert tok.bos_token == "<|im_start|>" and tok.eos_token == "<|im_end|>" and tok.pad_id == 2
     ids = tok.encode("<|im_start|>the there 42<|im_end|>")
     assert ids[0] == CONTROL.index("<|im_start|>") and ids[-1] == CONTROL.index("<|im_end|>")
-    assert tok.decode(ids) == "<|im_start|>the there 42<|im_end|>"
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>the there 42<|im_end|>"
     assert tok.decode(ids, skip_special_tokens=True) == "the there 42"
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
@@ -152,18 +152,19 @@ def test_unsupported_tokenizer_model(tmp_path):
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path)
     f = read_gguf(path)
-    from seqlab.io.tokenizer import Tokenizer, TokenizerError
+    from seqlab.data.tokenizer import TokenizerError
+    from seqlab.io.tokenizer import tokenizer_from_gguf
 
     meta = dict(f.metadata, **{"tokenizer.ggml.model": "llama"})
     with pytest.raises(TokenizerError, match="tokenizer model 'llama' is not supported"):
-        Tokenizer.from_gguf_metadata(meta, source=str(path))
+        tokenizer_from_gguf(meta, source=str(path))
 
 
 def test_bf16_load_and_tokenizer_save_round_trip(tiny, tmp_path):
     """dtype=bfloat16 gives a bf16 model close to fp32; a saved tokenizer.json is read identically by HF and by us."""
     from transformers import AutoTokenizer
 
-    from seqlab.io.tokenizer import Tokenizer
+    from seqlab.data.tokenizer import Tokenizer
 
     path, _ = tiny
     model, tok = load_gguf(path)
@@ -174,12 +175,13 @@ def test_bf16_load_and_tokenizer_save_round_trip(tiny, tmp_path):
         diff = (model16(ids).float() - model(ids)).abs().max().item()
     assert 0 < diff < 0.05
 
-    tok.save(tmp_path / "tok")
+    tok.save_pretrained(tmp_path / "tok")
     hf = AutoTokenizer.from_pretrained(tmp_path / "tok")
     back = Tokenizer.from_pretrained(tmp_path / "tok")
     for text in ("the  there 4 2\n\tin", "<|im_start|>hi<|im_end|>", "naïve 🤖"):
-        assert back.encode(text) == tok.encode(text) == hf.encode(text)
-    assert (back.bos_token_id, back.eos_token_id, back.pad_token_id) == (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+        assert back.encode(text) == tok.encode(text) == hf.encode(text, add_special_tokens=False)
+        assert tok.encode(text, add_special_tokens=True) == hf.encode(text)
+    assert (back.bos_id, back.eos_id, back.pad_id) == (tok.bos_id, tok.eos_id, tok.pad_id)
     msgs = [{"role": "user", "content": "hi"}]
     assert back.apply_chat_template(msgs, add_generation_prompt=True) == tok.apply_chat_template(msgs, add_generation_prompt=True)
     assert hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False) == \

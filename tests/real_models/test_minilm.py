@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from seqlab.cli.chat import load_embedder, sentence_embeddings
+from seqlab.cli.embed import load_embedder
+from seqlab.eval.embeddings import sentence_embeddings
 from tests.real_models.conftest import MINILM
 
 pytestmark = [MINILM]
@@ -55,7 +56,7 @@ def test_tokenizer_matches_hf(embedder, hf_bert):
     _, hf_tok = hf_bert
     assert max_length == 256  # sentence_bert_config.json
     for s in SENTENCES:
-        assert tok.encode(s) == hf_tok(s)["input_ids"], s
+        assert tok.encode(s, add_special_tokens=True) == hf_tok(s)["input_ids"], s
 
 
 def test_padded_batch_embeddings_match_hf(embedder, hf_bert):

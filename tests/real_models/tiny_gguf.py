@@ -11,7 +11,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from seqlab.io.tokenizer import _bytes_to_unicode
+from seqlab.data.tokenizer import bytes_to_unicode
 
 CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = (
@@ -22,7 +22,7 @@ TEMPLATE = (
 
 def byte_alphabet() -> list[str]:
     """GPT-2's printable spelling of the bytes 0..255, in byte order (the base of a byte-level BPE vocab)."""
-    spelling = _bytes_to_unicode()
+    spelling = bytes_to_unicode()
     return [spelling[b] for b in range(256)]
 
 

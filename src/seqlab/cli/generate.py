@@ -1,10 +1,22 @@
-"""``seqlab generate``: decode prompts with a checkpoint (the decode benchmark is ``bench/generate_decode.py``)."""
+"""``seqlab generate``: decode prompts with any model (the decode benchmark is ``bench/generate_decode.py``).
+
+Output convention, shared with ``seqlab chat``: a plain completion prints the prompt followed by its continuation
+(the text reads on); with ``--chat`` the prompt is a rendered conversation, so only the reply is printed, as
+``seqlab chat`` does.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
+import torch
+
+from seqlab.cli.model_args import add_model_source, check_writable, load_model, prompt_ids, turn_end_ids
+from seqlab.generate import GenerationConfig, generate_output, stream
+from seqlab.io import load_pretrained
+from seqlab.model import pack_for_inference
+from seqlab.runtime import atomic_write_text
 
 
 def add_decode_speed_options(p: argparse.ArgumentParser) -> None:
@@ -22,8 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Prefill the prompt(s), then decode on a static KV cache. Prompts of a batch are left-padded. "
                     "A prompt longer than the model's context is an error unless --truncate is given "
                     "(then its last tokens are kept).")
-    p.add_argument("--checkpoint", required=True, help="model folder (seqlab or Hugging Face: config.json + "
-                                                       "model.safetensors [+ tokenizer.json])")
+    add_model_source(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     src.add_argument("--prompts-file", help="one prompt per line")
@@ -31,6 +42,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="default: speculative if --draft, beam if --num-beams > 1, sample if a sampling knob is set, "
                         "else greedy")
     p.add_argument("--draft", help="draft model folder for speculative decoding (same tokenizer)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the model's chat "
+                   "template and print only the reply (as `seqlab chat --message` does)")
+    p.add_argument("--system", metavar="TEXT", help="system prompt for --chat")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -44,8 +58,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stream", action="store_true", help="print text as it is generated (batch of one prompt)")
     p.add_argument("--truncate", action="store_true", help="keep the last tokens of an over-long prompt")
-    p.add_argument("--no-bos", action="store_true", help="do not prepend the tokenizer's BOS token")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    p.add_argument("--no-bos", action="store_true", help="no BOS token (seqlab checkpoints get one by default; HF and "
+                   "GGUF models follow their tokenizer's add_bos_token)")
     add_decode_speed_options(p)
     p.add_argument("--metrics", action="store_true", help="print TTFT, tokens/s, KV-cache bytes, peak memory")
     p.add_argument("--json", help="also write prompts, outputs and metrics to this JSON file")
@@ -65,24 +79,9 @@ def _strategy(args) -> str:
     return "greedy"
 
 
-def _load_tokenizer(folder):
-    from pathlib import Path
-
-    from seqlab.data.tokenizers import load_tokenizer
-
-    path = Path(folder) / "tokenizer.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no tokenizer next to the checkpoint; text prompts need one")
-    return load_tokenizer(path)
-
-
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from seqlab.generate import GenerationConfig, generate_output, stream
-    from seqlab.io import load_pretrained
-
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    if args.json:
+        check_writable(args.json, "--json")
     if args.prompts_file:
         with open(args.prompts_file, encoding="utf-8") as f:
             prompts = [line.rstrip("\n") for line in f if line.strip()]
@@ -98,18 +97,24 @@ def run(args: argparse.Namespace) -> int:
     if args.stream and len(prompts) > 1:
         raise ValueError("--stream prints one prompt's text; give a single --prompt")
 
-    model = load_pretrained(args.checkpoint, dtype=dtype)
-    draft = load_pretrained(args.draft, dtype=dtype) if strategy == "speculative" else None
-    tok = _load_tokenizer(args.checkpoint)
-    bos = None if args.no_bos else getattr(tok, "bos_id", None)
-    rows = [([bos] if bos is not None else []) + tok.encode(p) for p in prompts]
-    pad = getattr(tok, "pad_id", None)
-    pad = pad if pad is not None else (model.config.pad_token_id or 0)
+    loaded = load_model(args)
+    model, tok = loaded.model, loaded.tokenizer
+    draft = (load_pretrained(args.draft, dtype=next(model.parameters()).dtype, device=next(model.parameters()).device)
+             if strategy == "speculative" else None)
+    if args.chat:
+        if not tok.chat_template:
+            raise ValueError(f"{loaded.path}: --chat needs a chat template, and this model's tokenizer has none")
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        rows = [tok.apply_chat_template(system + [{"role": "user", "content": p}], add_generation_prompt=True)
+                for p in prompts]
+    else:
+        rows = [prompt_ids(loaded, p, bos=not args.no_bos) for p in prompts]
+    pad = tok.pad_id if tok.pad_id is not None else (model.config.pad_token_id or 0)
     T = max(len(r) for r in rows)
-    ids = torch.tensor([[pad] * (T - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows])
-    eos = [e for e in dict.fromkeys([model.config.eos_token_id, getattr(tok, "eos_id", None),
-                                     getattr(tok, "eot_id", None)]) if e is not None]
+    ids = torch.tensor([[pad] * (T - len(r)) + r for r in rows], device=next(model.parameters()).device)
+    mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows], device=ids.device)
+    eos = [e for e in dict.fromkeys([model.config.eos_token_id, tok.eos_id, tok.eot_id,
+                                     *(turn_end_ids(tok) if args.chat else [])]) if e is not None]
 
     cfg = GenerationConfig(
         max_new_tokens=args.max_new_tokens, do_sample=strategy in ("sample", "speculative") and args.temperature > 0,
@@ -122,8 +127,6 @@ def run(args: argparse.Namespace) -> int:
     if strategy == "beam" and cfg.num_beams == 1:
         cfg = cfg.updated(num_beams=4)
     if not args.no_pack:  # inference only from here on: pack for the rows a decode step multiplies
-        from seqlab.model import pack_for_inference
-
         for m in (model, draft):
             if m is not None:
                 pack_for_inference(m, rows_hint=len(prompts) * cfg.num_beams)
@@ -135,20 +138,20 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         out = s.output
         texts = [tok.decode(out.sequences[0, ids.shape[1]:].tolist())]
+        texts = [t.strip() for t in texts] if args.chat else texts
     else:
         out = generate_output(model, ids, mask, cfg, draft_model=draft, tokenizer=tok)
         texts = []
         for i, p in enumerate(prompts):
             new = [t for t in out.sequences[i, ids.shape[1]:].tolist()]
             text = tok.decode(new)
-            texts.append(text)
-            print(f"{p}{text}" if len(prompts) == 1 else f"[{i}] {p}{text}")
+            shown = text.strip() if args.chat else f"{p}{text}"  # a chat reply alone; a completion after its prompt
+            texts.append(text.strip() if args.chat else text)
+            print(shown if len(prompts) == 1 else f"[{i}] {shown}")
     m = out.metrics
     if args.metrics:
         print(m.summary(), file=sys.stderr)
     if args.json:
-        from seqlab.io.checkpoint import atomic_write_text
-
         doc = {"strategy": strategy, "prompts": prompts, "outputs": texts, "sequences": out.sequences.tolist(),
                "metrics": m.to_dict()}
         atomic_write_text(args.json, json.dumps(doc, indent=2) + "\n")

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import argparse
 
+from seqlab.io import load_pretrained
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="show a model's configuration and size",
                        description="Print the ModelConfig, parameter count and KV-cache bytes per token of a model folder.")
-    p.add_argument("path", help="a seqlab or Hugging Face model folder (config.json + model.safetensors)")
+    p.add_argument("path", help="a seqlab or Hugging Face model folder (config.json + model.safetensors), a training "
+                                "checkpoint, or a run directory (its latest checkpoint)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from seqlab.io import load_pretrained
-
     model = load_pretrained(args.path)
     cfg = model.config
     print(cfg.to_json())

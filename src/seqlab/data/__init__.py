@@ -8,8 +8,8 @@
 from seqlab.data.corpus import load_corpus, load_documents
 from seqlab.data.datasets import Examples, build_dataset
 from seqlab.data.readers import DataError
-from seqlab.data.tokenizers import (ByteTokenizer, HFTokenizer, Tokenizer, as_tokenizer, build_tokenizer,
-                                    load_tokenizer, train_bpe)
+from seqlab.data.tokenizers import (ByteTokenizer, Tokenizer, TokenizerError, build_tokenizer, load_tokenizer,
+                                    train_bpe)
 
-__all__ = ["ByteTokenizer", "DataError", "Examples", "HFTokenizer", "Tokenizer", "as_tokenizer", "build_dataset",
+__all__ = ["ByteTokenizer", "DataError", "Examples", "Tokenizer", "TokenizerError", "build_dataset",
            "build_tokenizer", "load_corpus", "load_documents", "load_tokenizer", "train_bpe"]

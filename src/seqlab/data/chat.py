@@ -1,7 +1,7 @@
 """Chat conversations -> token ids with role boundaries, for SFT (assistant-only loss) and DPO (prompt/response).
 
 A conversation (system / user / assistant / tool messages, assistant tool calls) is rendered by the tokenizer's chat
-template in Jinja's *sandbox* (``seqlab.io.chat_template``: a template ships inside model files, so it must not be
+template in Jinja's *sandbox* (``seqlab.data.chat_template``: a template ships inside model files, so it must not be
 able to touch Python). Assistant spans are found by rendering *incrementally*: for assistant message k,
 
     start = len(render(messages[:k], add_generation_prompt=True))   # everything up to "<|im_start|>assistant\\n"
@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from seqlab.data.collate import IGNORE_INDEX
-from seqlab.io.chat_template import render_chat_template
+from seqlab.data.chat_template import render_chat_template
 
 
 class ChatTemplateSpanError(ValueError):

@@ -1,83 +1,32 @@
-"""seqlab's own model format: ``config.json`` + ``model.safetensors``. No pickle anywhere.
+"""seqlab's own model format (``config.json`` + ``model.safetensors``), and where a checkpoint path leads.
 
-Writes are atomic (temporary file in the same folder, then ``os.replace``) so a crash mid-save never leaves a
-half-written checkpoint where a good one was.
+Every command that accepts a checkpoint (generate, chat, info, ``load_pretrained``) resolves it with
+:func:`resolve_checkpoint`: a model folder is itself, a training checkpoint (``step_*/``) is itself, and a run
+directory is its latest checkpoint. A training checkpoint carries the sha256 of each file in ``state.json``; those
+are verified before anything is loaded, so a bit-rotted file is refused instead of generating garbage.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 import seqlab
 from seqlab.config import ModelConfig
+from seqlab.io.hf import load_hf
+from seqlab.io.tensors import load_state_into, load_tensors, read_config_json, save_tensors, unique_state_dict
 from seqlab.model import build_model
-from seqlab.runtime import CheckpointError, atomic_write_bytes, atomic_write_text
+from seqlab.runtime import CheckpointError, atomic_write_text
+from seqlab.train.checkpoint import latest_checkpoint, load_checkpoint
 
 FORMAT = "seqlab"
 
-
-def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """State dict with tied parameters stored once (safetensors refuses aliased tensors)."""
-    seen: set[int] = set()
-    out = {}
-    for name, t in model.state_dict().items():
-        key = t.data_ptr() if t.numel() else id(t)
-        if key in seen:
-            continue
-        seen.add(key)
-        out[name] = t.detach().contiguous().cpu()
-    return out
-
-
-def save_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: not a readable safetensors file (corrupted or truncated?): {e}") from e
-
-
-def load_state_into(model: nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Strict load that names every missing, unexpected or mis-shaped tensor."""
-    expected = model.state_dict()
-    tied = {n for n in expected if n not in tensors and _is_tied(model, n)}
-    missing = sorted(set(expected) - set(tensors) - tied)
-    unexpected = sorted(set(tensors) - set(expected))
-    mismatched = sorted(f"{n}: file {tuple(tensors[n].shape)} vs model {tuple(expected[n].shape)}"
-                        for n in set(tensors) & set(expected) if tensors[n].shape != expected[n].shape)
-    if missing or unexpected or mismatched:
-        raise CheckpointError(f"{source}: tensors do not match the model: missing={missing} "
-                              f"unexpected={unexpected} shape_mismatch={mismatched}")
-    model.load_state_dict(tensors, strict=False)
-
-
-def _is_tied(model: nn.Module, name: str) -> bool:
-    params = dict(model.named_parameters(remove_duplicate=False))
-    if name not in params:
-        return False
-    return any(other != name and p is params[name] for other, p in params.items())
+__all__ = ["CheckpointError", "FORMAT", "load_pretrained", "load_state_into", "model_config_from_doc",
+           "resolve_checkpoint", "save_pretrained"]
 
 
 def save_pretrained(model: nn.Module, out_dir: str | os.PathLike) -> Path:
@@ -90,28 +39,52 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike) -> Path:
     return out
 
 
-def read_config_json(path: Path) -> dict:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The model folder ``path`` means: itself (``config.json`` or ``state.json`` inside), or the latest
+    ``step_*`` checkpoint of a run directory (``checkpoints/`` inside) or of a ``checkpoints/`` folder."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or directory")
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: expected a model folder, a checkpoint folder or a run directory, not a file")
+    if (p / "checkpoints").is_dir():
+        latest = latest_checkpoint(p / "checkpoints")
+        if latest is None:
+            raise CheckpointError(f"{p / 'checkpoints'}: no checkpoint yet (no step_* folder)")
+        return latest
+    if (p / "config.json").is_file() or (p / "state.json").is_file():
+        return p
+    latest = latest_checkpoint(p)
+    if latest is None:
+        raise CheckpointError(f"{p}: no model here (expected config.json, state.json, or checkpoints/step_*/)")
+    return latest
+
+
+def model_config_from_doc(doc: dict, source: Path) -> ModelConfig:
+    """The ModelConfig of a seqlab ``config.json`` document; a malformed one names the file and the field."""
+    if not isinstance(doc.get("config"), dict):
+        raise CheckpointError(f"{source}: no \"config\" object (a seqlab config.json has format + config)")
     try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return doc
+        return ModelConfig.from_dict(doc["config"])
+    except (ValueError, TypeError) as e:
+        raise CheckpointError(f"{source}: {e}") from None
 
 
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, device=None) -> nn.Module:
-    """Load a folder written by ``save_pretrained``; a Hugging Face folder is handed to ``load_hf``."""
-    folder = Path(path)
+    """Load a seqlab model folder, training checkpoint or run directory (latest checkpoint), verified; a Hugging
+    Face folder is handed to ``load_hf``."""
+    folder = resolve_checkpoint(path)
+    tensors = None
+    if (folder / "state.json").is_file():  # a training checkpoint: every file is checked against its sha256 first
+        _, tensors, _ = load_checkpoint(folder, load_optimizer=False)
     doc = read_config_json(folder / "config.json")
     if doc.get("format") != FORMAT:
-        from seqlab.io.hf import load_hf
-
+        if "model_type" not in doc:
+            raise CheckpointError(f"{folder / 'config.json'}: neither a seqlab config (\"format\": \"seqlab\") nor a "
+                                  "Hugging Face one (\"model_type\")")
         return load_hf(folder, dtype=dtype, device=device)
-    cfg = ModelConfig.from_dict(doc["config"])
-    model = build_model(cfg)
-    load_state_into(model, load_tensors(folder / "model.safetensors"), str(folder / "model.safetensors"))
+    model = build_model(model_config_from_doc(doc, folder / "config.json"))
+    if tensors is None:
+        tensors = load_tensors(folder / "model.safetensors")
+    load_state_into(model, tensors, str(folder / "model.safetensors"))
     return model.to(device=device, dtype=dtype).eval()
-

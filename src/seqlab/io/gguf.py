@@ -35,6 +35,11 @@ import numpy as np
 import torch
 
 from seqlab.config import ModelConfig
+from seqlab.io.hf import convert_hf_state_dict
+from seqlab.io.tensors import load_state_into
+from seqlab.io.tokenizer import tokenizer_from_gguf
+from seqlab.model import build_model
+from seqlab.runtime import progress
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -334,8 +339,11 @@ def gguf_to_hf_state_dict(f: GGUFFile, hf_config: dict[str, Any], dtype: torch.d
     if unknown:
         raise GGUFError(f"{f.path}: unknown tensors for a Llama GGUF: {unknown[:10]}{' ...' if len(unknown) > 10 else ''}")
     out: dict[str, torch.Tensor] = {}
-    for name in f.tensors:
+    for name in progress(f.tensors, desc=f"loading {f.path.name}", unit="tensor", leave=False, delay=2.0):
         values = f.dequantize(name)
+        if not np.isfinite(values).all():  # corrupted data: refuse here, where the GGUF tensor name is known
+            raise GGUFError(f"{f.path}: tensor {name!r} has {int((~np.isfinite(values)).sum())} non-finite values "
+                            "(NaN/inf); the file is corrupted, refusing to load it")
         if ".attn_q." in name:
             values = reverse_rope_permutation(values, hf_config["num_attention_heads"])
         elif ".attn_k." in name:
@@ -347,22 +355,16 @@ def gguf_to_hf_state_dict(f: GGUFFile, hf_config: dict[str, Any], dtype: torch.d
 # ------------------------------------------------------------------------------------------------ loading
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
               with_tokenizer: bool = True):
-    """Load a Llama GGUF as ``(model, tokenizer)``: a seqlab decoder in eval mode and a :class:`seqlab.io.tokenizer.Tokenizer`.
+    """Load a Llama GGUF as ``(model, tokenizer)``: a seqlab decoder in eval mode and a :class:`seqlab.data.tokenizer.Tokenizer`.
 
     ``model.config.extra`` records the source file and the GGUF tensor types; the tokenizer carries the special
     ids and the chat template from the file. ``with_tokenizer=False`` returns ``(model, None)``.
     """
-    from seqlab.io.checkpoint import load_state_into
-    from seqlab.io.hf import convert_hf_state_dict
-    from seqlab.model import build_model
-
     f = read_gguf(path)
     hf_config = gguf_hf_config(f)
     tokenizer = None
     if with_tokenizer:
-        from seqlab.io.tokenizer import Tokenizer
-
-        tokenizer = Tokenizer.from_gguf_metadata(f.metadata, source=str(f.path))
+        tokenizer = tokenizer_from_gguf(f.metadata, source=str(f.path))
     tensors = gguf_to_hf_state_dict(f, hf_config, dtype=dtype)
     cfg, state = convert_hf_state_dict(hf_config, tensors)
     del tensors

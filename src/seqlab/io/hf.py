@@ -18,7 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from seqlab.config import ModelConfig
-from seqlab.io.checkpoint import CheckpointError, load_state_into, load_tensors, read_config_json
+from seqlab.io.tensors import load_state_into, load_tensors, read_config_json
+from seqlab.runtime import CheckpointError
 from seqlab.model import build_model
 
 
@@ -271,7 +272,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
         value = _int_or_none(hf.get(key))
         # toy configs often keep GPT-2's 50256 with a smaller vocabulary; such an id cannot be used, so drop it
         hf[key] = value if isinstance(value, int) and 0 <= value < hf.get("vocab_size", 0) else None
-    return FAMILIES[model_type][0](hf)
+    try:
+        return FAMILIES[model_type][0](hf)
+    except KeyError as e:  # a required field is absent: say which, not a bare KeyError
+        raise CheckpointError(f"Hugging Face {model_type} config: required key {e.args[0]!r} is missing") from None
 
 
 def convert_hf_state_dict(hf_config: dict, tensors: dict[str, Tensor]) -> tuple[ModelConfig, dict[str, Tensor]]:
@@ -308,6 +312,10 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None, device=No
     """
     folder = Path(path)
     hf = read_config_json(folder / "config.json")
+    try:
+        cfg = config_from_hf(hf)
+    except ValueError as e:  # name the file (ConfigError and CheckpointError are both ValueErrors)
+        raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
     cfg, state = convert_hf_state_dict(hf, _read_hf_tensors(folder))
     model = build_model(cfg)
     expected = model.state_dict()

@@ -1,0 +1,128 @@
+"""The model flags ``seqlab generate`` and ``seqlab chat`` share, spelled and loaded once.
+
+    --checkpoint DIR   a seqlab model folder, a training checkpoint, or a run directory (its latest checkpoint)
+    --gguf PATH        a llama.cpp GGUF file (weights, tokenizer and chat template inside)
+    --model HFDIR      a Hugging Face folder (config.json + model.safetensors + tokenizer.json)
+    --dtype fp32|bf16  (float32 / bfloat16 accepted too)     --device cpu|cuda[:N]
+
+Whatever the source, the result is ``(model, tokenizer, source)`` with the one seqlab Tokenizer, so the two
+commands differ only in what they do with the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from seqlab.data import Tokenizer, load_tokenizer
+from seqlab.io import load_gguf, load_hf, load_pretrained, resolve_checkpoint
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_DTYPE_ALIASES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16"}
+
+
+def _dtype_name(text: str) -> str:
+    return _DTYPE_ALIASES.get(text.lower(), text)
+
+
+def add_model_source(p: argparse.ArgumentParser, required: bool = True) -> None:
+    """``--checkpoint | --gguf | --model`` (exactly one), ``--dtype`` and ``--device``."""
+    src = p.add_mutually_exclusive_group(required=required)
+    src.add_argument("--checkpoint", metavar="DIR",
+                     help="seqlab model folder, training checkpoint, or run directory (uses its latest checkpoint)")
+    src.add_argument("--gguf", metavar="PATH", help="GGUF file (llama architecture, byte-level BPE vocabulary)")
+    src.add_argument("--model", metavar="HFDIR", help="Hugging Face folder (config.json, model.safetensors, "
+                                                      "tokenizer.json)")
+    p.add_argument("--dtype", type=_dtype_name, choices=tuple(DTYPES), default="fp32",
+                   help="compute dtype: fp32 (default) or bf16 (float32/bfloat16 are accepted too)")
+    p.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda[:N]")
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Tokenizer
+    path: Path
+    kind: str  # "seqlab", "hf" or "gguf": decides whether prompts get BOS from us or from the tokenizer's rule
+
+
+def check_device(device: str) -> torch.device:
+    """A usable torch device, or a one-line error naming ``--device``."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"--device {device!r}: not a torch device ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: no CUDA GPU is available here (torch.cuda.is_available() is False); "
+                         "use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {device}: expected cpu or cuda[:N]")
+    return dev
+
+
+def check_writable(path: str | os.PathLike, flag: str) -> None:
+    """Refuse an output path that cannot be written, before any work is done (names the flag)."""
+    p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{flag} {p}: is a directory")
+    parent = p.parent if str(p.parent) else Path(".")
+    ancestor = next((a for a in [parent, *parent.parents] if a.exists()), None)
+    if ancestor is not None and not ancestor.is_dir():
+        raise ValueError(f"{flag} {p}: {ancestor} is a file, not a directory")
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {p}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ValueError(f"{flag} {p}: not writable")
+
+
+def load_model(args: argparse.Namespace, default_gguf: Path | None = None) -> LoadedModel:
+    """The model and tokenizer the flags name (``default_gguf`` when none is given), on ``--device``."""
+    device = check_device(args.device)
+    dtype = DTYPES[args.dtype]
+    if args.checkpoint:
+        folder = resolve_checkpoint(args.checkpoint)
+        model = load_pretrained(folder, dtype=dtype, device=device)
+        tok_path = folder / "tokenizer.json"
+        if not tok_path.is_file():
+            raise FileNotFoundError(f"{tok_path}: no tokenizer next to the checkpoint; text prompts need one")
+        kind = "hf" if model.config.extra.get("source", "").startswith("hf:") else "seqlab"
+        return LoadedModel(model, load_tokenizer(tok_path), folder, kind)
+    if args.model:
+        folder = Path(args.model)
+        model = load_hf(folder, dtype=dtype, device=device)
+        return LoadedModel(model, Tokenizer.from_pretrained(folder), folder, "hf")
+    path = Path(args.gguf) if args.gguf else default_gguf
+    if path is None:
+        raise ValueError("no model given: pass --checkpoint DIR, --gguf PATH or --model HFDIR")
+    model, tokenizer = load_gguf(path, dtype=dtype, device=device)
+    return LoadedModel(model, tokenizer, path, "gguf")
+
+
+def prompt_ids(loaded: LoadedModel, text: str, bos: bool = True) -> list[int]:
+    """A plain prompt as ids: seqlab checkpoints get BOS (their documents started with it in training); HF and GGUF
+    models follow their tokenizer's own rule (``add_bos_token``). ``bos=False`` adds nothing."""
+    tok = loaded.tokenizer
+    if loaded.kind == "seqlab":
+        return ([tok.bos_id] if bos and tok.bos_id is not None else []) + tok.encode(text)
+    return tok.encode(text, add_special_tokens=bos)
+
+
+# Chat-turn terminators used by common templates; any of them present in the vocabulary ends a reply.
+TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "</s>")
+
+
+def turn_end_ids(tokenizer: Tokenizer) -> list[int]:
+    """Ids that end an assistant turn: EOS, the end-of-turn token, and any standard terminator in the vocabulary."""
+    ids = [i for i in (tokenizer.eos_id, tokenizer.eot_id) if i is not None]
+    for tok in TURN_END_TOKENS:
+        i = tokenizer.token_to_id(tok)
+        if i is not None and i in tokenizer.special_ids:
+            ids.append(i)
+    return list(dict.fromkeys(ids))

@@ -1,0 +1,125 @@
+"""Corrupted or non-finite weights are refused wherever a model is loaded; run directories resolve to their latest
+checkpoint; the SFT chat path works end to end (`seqlab chat --checkpoint RUN --message T --temperature 0`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from seqlab.cli import main
+from seqlab.config import ModelConfig
+from seqlab.data import ByteTokenizer
+from seqlab.io import CheckpointError, GGUFError, load_gguf, load_pretrained, resolve_checkpoint, save_pretrained
+from seqlab.io.gguf import read_gguf
+from seqlab.model import build_model
+from seqlab.train.checkpoint import save_checkpoint
+from tests.real_models.tiny_gguf import write_tiny_llama
+
+
+def _tiny_model():
+    tok = ByteTokenizer()
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2, max_seq_len=64,
+                      pad_token_id=tok.pad_id, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+    return build_model(cfg).eval(), tok
+
+
+def _training_run(root: Path) -> Path:
+    """A run directory as the trainer writes it: checkpoints/step_*/ with sha256 in state.json."""
+    model, tok = _tiny_model()
+    folder = save_pretrained(model, root / "plain")
+    tok.save(folder / "tokenizer.json")
+    extra = {n: (folder / n).read_bytes() for n in ("config.json", "tokenizer.json")}
+    for step in (2, 4):
+        save_checkpoint(root / "run" / "checkpoints", step, model.state_dict(), None, {"step": step},
+                        extra_files=extra)
+    return root / "run"
+
+
+def _overwrite_tensor_bytes(path: Path, value: bytes, count: int = 16) -> None:
+    """Set ``count`` bytes of the first tensor's data (after the safetensors header) to ``value``."""
+    raw = bytearray(path.read_bytes())
+    header = 8 + int.from_bytes(raw[:8], "little")
+    raw[header: header + count] = value * count
+    path.write_bytes(bytes(raw))
+
+
+def test_run_directory_resolves_to_latest_checkpoint(tmp_path):
+    run = _training_run(tmp_path)
+    assert resolve_checkpoint(run).name == "step_00000004"
+    assert resolve_checkpoint(run / "checkpoints").name == "step_00000004"
+    model = load_pretrained(run)
+    ref = load_pretrained(tmp_path / "plain")
+    ids = torch.tensor([[1, 2, 3]])
+    assert torch.equal(model(ids), ref(ids))
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "hi", "--max-new-tokens", "2", "--no-pack"]) == 0
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="no model here"):
+        resolve_checkpoint(tmp_path / "empty")
+
+
+def test_bytes_set_to_ff_in_a_training_checkpoint_are_refused(tmp_path, capsys):
+    run = _training_run(tmp_path)
+    _overwrite_tensor_bytes(run / "checkpoints" / "step_00000004" / "model.safetensors", b"\xff")
+    with pytest.raises(CheckpointError, match="sha256"):
+        load_pretrained(run)
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "hi", "--max-new-tokens", "2"]) == 2
+    assert "model.safetensors: corrupt checkpoint file (sha256" in capsys.readouterr().err
+    assert main(["chat", "--checkpoint", str(run), "--message", "hi", "--temperature", "0"]) == 2
+    assert "sha256" in capsys.readouterr().err
+
+
+def test_non_finite_weights_without_a_checksum_are_refused_by_name(tmp_path, capsys):
+    model, tok = _tiny_model()
+    folder = save_pretrained(model, tmp_path / "m")
+    tok.save(folder / "tokenizer.json")
+    _overwrite_tensor_bytes(folder / "model.safetensors", b"\xff")  # 0xFFFFFFFF is a float32 NaN
+    with pytest.raises(CheckpointError, match=r"tensor '[\w.]+' has 4 non-finite values"):
+        load_pretrained(folder)
+    assert main(["info", str(folder)]) == 2
+    assert "non-finite" in capsys.readouterr().err
+
+
+def test_gguf_with_nan_data_is_refused(tmp_path, capsys):
+    path = tmp_path / "nan.gguf"
+    write_tiny_llama(path)
+    info = read_gguf(path).tensors["blk.0.attn_q.weight"]
+    with open(path, "r+b") as f:
+        f.seek(info.start + 4 * 5)
+        f.write(np.array([np.nan, np.inf], dtype=np.float32).tobytes())
+    with pytest.raises(GGUFError, match="tensor 'blk.0.attn_q.weight' has 2 non-finite values"):
+        load_gguf(path)
+    assert main(["chat", "--gguf", str(path), "--message", "hi", "--temperature", "0"]) == 2
+    assert "non-finite" in capsys.readouterr().err
+
+
+def test_sft_run_chats_and_generates_with_its_template(tmp_path):
+    """The outside check: a tiny SFT run, then `seqlab chat --checkpoint RUN --message T --temperature 0`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parents[2] / "src"),
+                                                                    os.environ.get("PYTHONPATH")) if p)}
+
+    def seqlab(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "seqlab", *args], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=300)
+
+    run = tmp_path / "sft"
+    proc = seqlab("train", "--objective", "sft", "--preset", "tiny", "--max-steps", "2", "--batch-size", "2",
+                  "--seq-len", "64", "--no-progress", "--out", str(run))
+    assert proc.returncode == 0, proc.stderr
+    chat = seqlab("chat", "--checkpoint", str(run), "--message", "Hello there", "--temperature", "0",
+                  "--max-new-tokens", "8")
+    assert chat.returncode == 0, chat.stderr
+    gen = seqlab("generate", "--checkpoint", str(run), "--chat", "--prompt", "Hello there", "--temperature", "0",
+                 "--max-new-tokens", "8")
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout == chat.stdout  # same template, greedy, same convention: the reply alone
+    tok_dir = run / "checkpoints"
+    saved = json.loads(next(tok_dir.glob("step_*/tokenizer_config.json")).read_text())
+    assert saved["chat_template"] and saved["seqlab_eot_token"] == "<|im_end|>"
