@@ -25,7 +25,8 @@ import torch
 
 from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
 from seqlab.nnqs.distributed import Dist
-from seqlab.nnqs.molecules import get_molecule, prepare
+from seqlab.nnqs.molecules import get_molecule
+from seqlab.nnqs.references import prepare
 from seqlab.nnqs.sampler import SamplerConfig, sample
 from seqlab.nnqs.local_energy import SectorHamiltonian
 from seqlab.nnqs.vmc import VMCConfig, vmc_step

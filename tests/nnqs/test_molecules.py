@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from seqlab.nnqs.molecules import BUILTIN, MoleculeError, get_molecule, parse_atoms, prepare
+from seqlab.nnqs.molecules import BUILTIN, MoleculeError, get_molecule, parse_atoms
+from seqlab.nnqs.references import prepare
 
 
 def test_builtin_geometries_and_electron_counts():

@@ -12,7 +12,8 @@ from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.nnqs.local_energy import PsiTable, SectorHamiltonian, local_energy
 from seqlab.nnqs.sampler import enumerate_log_prob
 from seqlab.nnqs.space import tokens_to_keys
-from seqlab.nnqs.vmc import VMCConfig, run_vmc, sector_log_psi
+from seqlab.nnqs.driver import run_vmc
+from seqlab.nnqs.vmc import VMCConfig, sector_log_psi
 
 
 def _per_sample(ham, keys, log_psi_of, sector, log_psi_all):

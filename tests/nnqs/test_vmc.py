@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from seqlab.cli import nnqs as cli_nnqs
-from seqlab.nnqs.vmc import VMCConfig, lr_at, run_vmc
+from seqlab.nnqs.driver import run_vmc
+from seqlab.nnqs.vmc import VMCConfig, lr_at
 
 CHEMICAL_ACCURACY_MHA = 1.6
 

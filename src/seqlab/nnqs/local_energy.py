@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from seqlab import runtime
 from seqlab.nnqs.hamiltonian import Hamiltonian
 from seqlab.nnqs.space import all_configurations, tokens_to_keys
 
@@ -124,15 +125,14 @@ class SectorHamiltonian:
     """
 
     def __init__(self, ham: Hamiltonian, max_elements: int = 1 << 21, progress: bool = True):
-        from scipy import sparse
-        from tqdm.auto import tqdm
+        from scipy import sparse  # optional heavy dependency (the nnqs extra), needed only for the sector path
 
         self.tokens = all_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)
         self.keys = tokens_to_keys(self.tokens)
         D = len(self.keys)
         chunk = max(1, max_elements // max(1, ham.n_connected))
         counts, indices, data = [], [], []
-        with tqdm(total=D, desc="sector H", unit="conf", delay=2.0, disable=not progress) as bar:
+        with runtime.progress(total=D, desc="sector H", unit="conf", delay=2.0, enabled=progress) as bar:
             for start in range(0, D, chunk):
                 c = ham.connected(self.keys[start : start + chunk])
                 B = len(c.diagonal)
