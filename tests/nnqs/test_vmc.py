@@ -38,7 +38,10 @@ def test_vmc_h2_reaches_chemical_accuracy_and_writes_result(tmp_path, capsys):
     lines = (tmp_path / "energies.jsonl").read_text().splitlines()
     assert len(lines) == 100 and json.loads(lines[-1])["step"] == 99
     assert (tmp_path / "convergence.png").stat().st_size > 1000
-    assert (tmp_path / "checkpoint" / "model.safetensors").exists()
+    assert (tmp_path / "error.png").stat().st_size > 1000
+    assert (tmp_path / "checkpoints" / "step_00000100" / "model.safetensors").exists()
+    assert (tmp_path / "checkpoints" / "step_00000100" / "optimizer.safetensors").exists()
+    assert r["e_ccsd_t_error_mha"] == pytest.approx((r["e_ccsd_t"] - r["e_fci"]) * 1000, abs=1e-9)
     table = capsys.readouterr().out
     for name in ("HF", "CCSD", "CCSD(T)", "FCI", "NNQS", "wall time"):
         assert name in table
@@ -79,7 +82,8 @@ def test_resume_after_crash_matches_uninterrupted_run(tmp_path, system):
 
     with pytest.raises(_Crash):
         run_vmc(ham, cfg, out=tmp_path / "b", callback=crash)
-    assert json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())["step"] == 3
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["step_00000003"]
+    assert json.loads((tmp_path / "b" / "checkpoints" / "step_00000003" / "state.json").read_text())["step"] == 3
     resumed = run_vmc(ham, cfg, out=tmp_path / "b", resume=True)
     assert [r["energy"] for r in resumed.records] == [r["energy"] for r in full.records]
     lines = (tmp_path / "b" / "energies.jsonl").read_text().splitlines()

@@ -1,6 +1,7 @@
 """``seqlab nnqs``: solve a molecule with the autoregressive Transformer wavefunction (VMC), next to PySCF's
-HF / CCSD / CCSD(T) / FCI on the same orbitals. Writes DIR/result.json, DIR/energies.jsonl, DIR/convergence.png
-and DIR/checkpoint/. Runs under ``torchrun --nproc-per-node N -m seqlab.cli.nnqs ...`` as well (gloo)."""
+HF / CCSD / CCSD(T) / FCI on the same orbitals. Writes DIR/result.json, DIR/energies.jsonl, DIR/convergence.png,
+DIR/error.png and DIR/checkpoints/. The first SIGINT/SIGTERM finishes the step, checkpoints it and exits (resume
+with --resume); a second SIGINT exits at once. Runs under ``torchrun --nproc-per-node N -m seqlab.cli.nnqs ...`` as well (gloo)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ from pathlib import Path
 import torch
 
 from seqlab.nnqs.ansatz import AnsatzConfig
-from seqlab.nnqs.distributed import init_from_env
-from seqlab.nnqs.driver import run_vmc
+from seqlab.nnqs.driver import RunResult, run_vmc
 from seqlab.nnqs.molecules import UNITS, get_molecule
 from seqlab.nnqs.references import prepare
 from seqlab.nnqs.sampler import SamplerConfig
 from seqlab.nnqs.vmc import HARTREE_TO_MHA, VMCConfig
+from seqlab.nnqs.vmc_checkpoint import check_new_run
 from seqlab.runtime import atomic_write_text, progress as progress_bar
+from seqlab.runtime.dist import init_distributed, shutdown
+from seqlab.runtime.signals import GracefulStop
 
 EPILOG = """\
 Expected run time with the defaults (measured on 2 shared CPU cores, 1 thread; see docs/nnqs.md):
@@ -170,11 +173,12 @@ def run(args: argparse.Namespace) -> int:
     mol = get_molecule(args.molecule, args.atom, args.basis, args.charge, args.spin, xyz=args.xyz, unit=args.unit)
     out = Path(args.out or os.path.join("runs", f"nnqs-{mol.name.lower()}"))
     check_out_dir(out)
+    check_new_run(out, args.resume)
     if args.tensorboard:
         check_out_dir(Path(args.tensorboard), "--tensorboard")
     if args.threads:
         torch.set_num_threads(args.threads)
-    dist = init_from_env()
+    dist = init_distributed(backend="gloo", device="cpu")  # seqlab.nnqs runs on CPU
     try:
         t0 = time.perf_counter()
         system = prepare(mol, fci=not args.no_fci, cc=not args.no_cc)
@@ -197,19 +201,32 @@ def run(args: argparse.Namespace) -> int:
             bar.set_postfix(post, refresh=False)
             bar.update(1)
 
-        with bar:
+        levels = {"HF": refs.e_hf, "CCSD(T)": refs.e_ccsd_t, "FCI": refs.e_fci}
+        with bar, GracefulStop() as stop:
             res = run_vmc(ham, cfg, ansatz, out, dist, e_ref=refs.e_fci, resume=args.resume, callback=show,
-                          title=f"{mol.name} / {mol.basis}")
+                          title=f"{mol.name} / {mol.basis}", references=levels, tensorboard=args.tensorboard,
+                          stop=stop)
+        if res.stopped_at is not None:
+            return stopped(res, out, stop, dist.is_main)
         if not dist.is_main:
             return 0
         result = result_record(args, mol, ham, refs, res, samples, ansatz, dist.world_size,
                                time.perf_counter() - t0, t_ref)
         atomic_write_text(out / "result.json", json.dumps(result, indent=2) + "\n")
         print(final_table(result))
-        print(f"wrote {out / 'result.json'}, {out / 'energies.jsonl'}, {out / 'convergence.png'}")
+        print(f"wrote {out / 'result.json'}, {out / 'energies.jsonl'}, {out / 'convergence.png'}"
+              + (f", {out / 'error.png'}" if refs.e_fci is not None else ""))
         return 0
     finally:
-        dist.close()
+        shutdown(dist)
+
+
+def stopped(res: RunResult, out: Path, stop: GracefulStop, is_main: bool) -> int:
+    """After a signal: say where the checkpoint is and how to continue; exit 128 + the signal's number."""
+    if is_main:
+        print(f"stopped after step {res.stopped_at}: checkpoint {res.checkpoint}; continue with the same command "
+              f"and --resume", file=sys.stderr)
+    return stop.exit_code
 
 
 if __name__ == "__main__":  # python -m seqlab.cli.nnqs ... (same as `seqlab nnqs ...`)

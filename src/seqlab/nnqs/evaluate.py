@@ -7,16 +7,16 @@ import math
 import torch
 
 from seqlab.nnqs.ansatz import Wavefunction
-from seqlab.nnqs.distributed import Dist
 from seqlab.nnqs.hamiltonian import Hamiltonian
 from seqlab.nnqs.local_energy import PsiTable, local_energy
 from seqlab.nnqs.sampler import sample
 from seqlab.nnqs.space import all_configurations, n_configurations, tokens_to_keys
 from seqlab.nnqs.vmc import VMCConfig, make_evaluator, step_generators
+from seqlab.runtime.dist import DistInfo, all_reduce_sum
 
 
 @torch.no_grad()
-def evaluate_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: Dist, seed: int = 12345) -> dict:
+def evaluate_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: DistInfo, seed: int = 12345) -> dict:
     """Final energy: exact sum over the whole space when it is small, else a large sample (exact local energies).
 
     Deliberately on the per-sample enumeration path, not the sector fast path used in training: the reported
@@ -33,7 +33,7 @@ def evaluate_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: Di
         p = torch.exp(2 * log_psi.real[mine])
         eloc = local_energy(ham, keys[mine], log_psi[mine], table, evaluate, "exact")
         sums = torch.stack(((p * eloc.real).sum(), (p * eloc.abs() ** 2).sum(), p.sum()))
-        dist.all_reduce(sums)
+        all_reduce_sum(sums, dist)
         e, e2, psum = (float(v) for v in sums)
         e, e2 = e / psum, e2 / psum  # psum == 1 up to float32 round-off of log P; normalising removes it
         return {"energy": e, "energy_std": 0.0, "variance": max(e2 - e * e, 0.0), "final_eval": "exact",
@@ -47,7 +47,7 @@ def evaluate_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: Di
             else torch.zeros(0, dtype=torch.complex128))
     w = s.counts.double() / n_s
     sums = torch.stack(((w * eloc.real).sum(), (w * eloc.abs() ** 2).sum()))
-    dist.all_reduce(sums)
+    all_reduce_sum(sums, dist)
     e, e2 = (float(v) for v in sums)
     var = max(e2 - e * e, 0.0)
     return {"energy": e, "energy_std": math.sqrt(var / n_s), "variance": var, "final_eval": "sampled",

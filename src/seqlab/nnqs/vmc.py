@@ -25,12 +25,13 @@ import torch
 from torch import Tensor
 
 from seqlab.nnqs.ansatz import Wavefunction
-from seqlab.nnqs.distributed import Dist
 from seqlab.nnqs.hamiltonian import Hamiltonian
 from seqlab.nnqs.local_energy import MODES, PsiTable, SectorHamiltonian, local_energy
 from seqlab.nnqs.sampler import SamplerConfig, enumerate_log_prob, sample
 from seqlab.nnqs.space import keys_to_tokens, n_configurations, tokens_to_bits, tokens_to_keys
 from seqlab.nnqs.sr import sr_direction
+from seqlab.runtime.dist import DistInfo, all_reduce_sum
+from seqlab.runtime.schedule import warmup_cosine
 
 HARTREE_TO_MHA = 1000.0
 
@@ -62,11 +63,13 @@ class VMCConfig:
     eval_exact_max: int = 100_000  # final evaluation sums over every configuration below this space size
     eval_samples: int | None = None  # otherwise samples this many (default 100 * samples)
     checkpoint_every: int = 100
+    keep_last: int = 2  # checkpoints kept (the newest); 0 keeps all
 
     def __post_init__(self) -> None:
         if self.local_energy not in MODES:
             raise ValueError(f"VMCConfig.local_energy: {self.local_energy!r} not in {MODES}")
-        for name, low in (("steps", 1), ("samples", 1), ("checkpoint_every", 1), ("warmup", 0), ("anneal", 0)):
+        for name, low in (("steps", 1), ("samples", 1), ("checkpoint_every", 1), ("keep_last", 0), ("warmup", 0),
+                          ("anneal", 0)):
             if not getattr(self, name) >= low:  # `not >=` also refuses NaN
                 raise ValueError(f"VMCConfig.{name}: must be >= {low}, got {getattr(self, name)}")
         if self.sector_max < 0:
@@ -81,12 +84,8 @@ def temperature_at(cfg: VMCConfig, step: int, t0: float) -> float:
 
 
 def lr_at(cfg: VMCConfig, step: int) -> float:
-    """Linear warmup over ``warmup`` steps, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / (cfg.warmup + 1)
-    p = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - 1 - cfg.warmup))
-    lo = cfg.lr * cfg.min_lr_ratio
-    return lo + 0.5 * (1 + math.cos(math.pi * p)) * (cfg.lr - lo)
+    """The runtime's warmup-cosine, ending at ``lr * min_lr_ratio`` on the *last* step (index ``steps - 1``)."""
+    return warmup_cosine(step, cfg.steps - 1, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
 
 
 @dataclass
@@ -119,7 +118,7 @@ def make_evaluator(wf: Wavefunction):
     return evaluate
 
 
-def build_sector(ham: Hamiltonian, cfg: VMCConfig, dist: Dist) -> SectorHamiltonian | None:
+def build_sector(ham: Hamiltonian, cfg: VMCConfig, dist: DistInfo) -> SectorHamiltonian | None:
     """H over the whole sector when exact local energies may take the sector fast path (see ``sector_max``)."""
     if cfg.local_energy != "exact" or n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta) > cfg.sector_max:
         return None
@@ -143,7 +142,7 @@ def sector_log_psi(wf: Wavefunction, sector: SectorHamiltonian) -> Tensor:
 
 
 def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg: VMCConfig, step: int,
-             dist: Dist, t0: float = 0.0, sector: SectorHamiltonian | None = None) -> StepStats:
+             dist: DistInfo, t0: float = 0.0, sector: SectorHamiltonian | None = None) -> StepStats:
     """One optimizer step; ``t0`` is the initial annealing temperature (see ``initial_temperature``).
 
     With ``sector`` (from ``build_sector``) exact local energies take the sector fast path; the result is the same.
@@ -169,7 +168,7 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
     w = s.counts.double() / s.n_total
     sums = torch.stack(((w * eloc.real).sum(), (w * eloc.imag).sum(), (w * eloc.abs() ** 2).sum(),
                         torch.tensor(float(len(keys)), dtype=torch.float64)))
-    dist.all_reduce(sums)
+    all_reduce_sum(sums, dist)
     e_re, e_im, e2, n_unique = (float(v) for v in sums)
     var = max(e2 - e_re**2 - e_im**2, 0.0)
     de = eloc - complex(e_re, e_im)
@@ -181,7 +180,7 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
         temp = temperature_at(cfg, step, t0)
         if temp > 0:  # d(T * sum P log P) = T * E[(log P - <log P>) d log P]
             lp = logp.detach().double()
-            mean_lp = dist.all_reduce((w * lp).sum().reshape(1))[0]
+            mean_lp = all_reduce_sum((w * lp).sum().reshape(1), dist)[0]
             a = a + temp * (lp - mean_lp)
         if len(keys):
             loss = (w * (a * logp.double() + 2 * de.imag * phase.double())).sum()
@@ -191,7 +190,7 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     flat = torch.cat([p.grad.flatten() for p in params])
-    dist.all_reduce(flat)
+    all_reduce_sum(flat, dist)
     if cfg.grad_clip:  # global-norm clipping (same on every rank: after the all-reduce)
         flat.mul_(min(1.0, cfg.grad_clip / (float(flat.norm()) + 1e-12)))
     offset = 0
@@ -208,7 +207,7 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
 
 
 @torch.no_grad()
-def initial_temperature(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: Dist) -> float:
+def initial_temperature(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: DistInfo) -> float:
     """T0 = anneal * (mean - min) of H[x,x] over a sample of the initial (nearly uniform) wavefunction.
 
     That spread is the energy scale the first steps work against (tens of Ha for H2O, a few for LiH); tying T0 to
