@@ -57,6 +57,21 @@ CHAT_CASES: list[Case] = [
 ]
 
 NNQS_CASES: list[Case] = [
+    Case("nnqs-negative-warmup", ["nnqs", "--molecule", "h2", "--warmup", "-1", "--out", "{tmp}/o"], "--warmup must be >= 0"),
+    Case("nnqs-negative-anneal", ["nnqs", "--molecule", "h2", "--anneal", "-0.1", "--out", "{tmp}/o"], "--anneal must be >= 0"),
+    Case("nnqs-max-batch-0", ["nnqs", "--molecule", "h2", "--max-batch", "0", "--out", "{tmp}/o"], "--max-batch must be >= 1"),
+    Case("nnqs-samples-0", ["nnqs", "--molecule", "h2", "--samples", "0", "--out", "{tmp}/o"], "--samples must be a positive integer"),
+    Case("nnqs-out-is-a-file", ["nnqs", "--molecule", "h2", "--out", "{tmp}/f"], "is a file, not a folder", files={"f": "x"}),
+    Case("nnqs-out-under-a-file", ["nnqs", "--molecule", "h2", "--out", "{tmp}/f/run"], "f is a file, not a folder", files={"f": "x"}),
+    Case("nnqs-out-not-writable", ["nnqs", "--molecule", "h2", "--out", "/sys/seqlab-nnqs-out"], "is not writable"),
+    Case("nnqs-tensorboard-is-a-file", ["nnqs", "--molecule", "h2", "--out", "{tmp}/o", "--tensorboard", "{tmp}/f"], "--tensorboard", files={"f": "x"}),
+    Case("nnqs-out-holds-a-run", ["nnqs", "--molecule", "h2", "--out", "{run}"], "pass --resume to continue it"),
+    Case("nnqs-resume-a-train-run", ["nnqs", "--molecule", "h2", "--no-cc", "--no-fci", "--out", "{run}", "--resume"], "not a seqlab-nnqs-checkpoint"),
+    Case("nnqs-xyz-bad-line", ["nnqs", "--xyz", "{tmp}/m.xyz"], "m.xyz:4: 'H 0 0 x': coordinates must be numbers", files={"m.xyz": "2\nc\nH 0 0 0\nH 0 0 x\n"}),
+    Case("nnqs-xyz-short", ["nnqs", "--xyz", "{tmp}/m.xyz"], "m.xyz:4: file ends after 1 atoms", files={"m.xyz": "2\nc\nH 0 0 0\n"}),
+    Case("nnqs-xyz-missing", ["nnqs", "--xyz", "{tmp}/none.xyz"], "none.xyz: cannot read it"),
+    Case("nnqs-unit-with-builtin", ["nnqs", "--molecule", "h2", "--unit", "bohr", "--out", "{tmp}/o"], "built-in molecules are in Angstrom"),
+    Case("nnqs-unknown-molecule", ["nnqs", "--molecule", "benzene", "--out", "{tmp}/o"], "known molecules: h2, lih"),
 ]
 
 INFO_CASES: list[Case] = [

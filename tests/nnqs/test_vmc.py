@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from seqlab.cli import nnqs as cli_nnqs
+from seqlab.nnqs.molecules import BOHR_IN_ANGSTROM
 from seqlab.nnqs.driver import run_vmc
 from seqlab.nnqs.vmc import VMCConfig, lr_at
 
@@ -45,6 +46,27 @@ def test_vmc_h2_reaches_chemical_accuracy_and_writes_result(tmp_path, capsys):
     table = capsys.readouterr().out
     for name in ("HF", "CCSD", "CCSD(T)", "FCI", "NNQS", "wall time"):
         assert name in table
+
+
+def test_cli_reads_an_xyz_file_in_bohr_and_mirrors_to_tensorboard(tmp_path, system):
+    """--xyz in Bohr is the built-in H2; --tensorboard holds the same per-step energies as energies.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    d = 0.734 / BOHR_IN_ANGSTROM
+    (tmp_path / "h2.xyz").write_text(f"2\nH2 in Bohr\nH 0 0 0\nH 0 0 {d!r}\n")
+    out, tb = tmp_path / "run", tmp_path / "tb"
+    assert _cli(["--xyz", str(tmp_path / "h2.xyz"), "--unit", "bohr", "--steps", "3", "--out", str(out), "--quiet",
+                 "--tensorboard", str(tb)]) == 0
+    r = json.loads((out / "result.json").read_text())
+    assert (r["molecule"], r["unit"], r["n_electrons"]) == ("H2", "bohr", 2)
+    assert abs(r["e_hf"] - system("h2").references.e_hf) < 1e-9  # the built-in H2, given in Angstrom
+    rows = [json.loads(x) for x in (out / "energies.jsonl").read_text().splitlines()]
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    events = acc.Scalars("energy")
+    assert [e.step for e in events] == [0, 1, 2]
+    assert [e.value for e in events] == pytest.approx([row["energy"] for row in rows], rel=1e-6)  # float32 there
+    assert {"error_mha", "lr", "temperature"} <= set(acc.Tags()["scalars"])
 
 
 @pytest.mark.slow

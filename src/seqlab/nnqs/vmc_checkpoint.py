@@ -71,9 +71,15 @@ def check_new_run(out: Path, resume: bool) -> None:
     """Refuse to mix two runs in one folder: a new run needs a fresh ``out`` (or ``--resume``)."""
     found = existing_run(out)
     if not resume and found is not None:
-        raise ValueError(f"--out {out} already holds an nnqs run ({found}); pass --resume to continue it, "
+        raise ValueError(f"--out {out} already holds a run ({found}); pass --resume to continue it, "
                          f"or choose another --out")
-    if resume and checkpoint_store(out, None).latest() is None and (out / LEGACY_CHECKPOINT).exists():
+    if not resume:
+        return
+    store = checkpoint_store(out, None)
+    latest = store.latest()
+    if latest is not None:
+        store.read_state(latest)  # a checkpoint of another kind (a training run) is refused before any work
+    elif (out / LEGACY_CHECKPOINT).exists():
         raise ValueError(f"{out / LEGACY_CHECKPOINT}: a checkpoint of the older, non-atomic layout cannot be "
                          f"resumed; start a new run with another --out")
 
