@@ -22,7 +22,7 @@ from seqlab.nnqs.hamiltonian import Hamiltonian
 from seqlab.nnqs.vmc import HARTREE_TO_MHA, StepStats, VMCConfig, build_sector, initial_temperature, vmc_step
 from seqlab.nnqs.vmc_checkpoint import LOG, check_new_run, checkpoint_store, clean_stale, load_checkpoint, \
     save_checkpoint
-from seqlab.runtime.dist import DistInfo, any_rank
+from seqlab.runtime.dist import DistInfo, any_rank, barrier
 from seqlab.runtime.logbook import Logbook
 from seqlab.runtime.signals import GracefulStop
 
@@ -69,6 +69,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     start_step, t0, checkpoint = 0, None, None
     if store is not None:
         check_new_run(out, resume)
+        barrier(dist)  # every rank has looked at ``out`` before the main rank writes into it
         if dist.is_main:
             clean_stale(out)
         checkpoint = store.latest() if resume else None
