@@ -69,6 +69,16 @@ def init_distributed(backend: str | None = None, device: str = "auto") -> DistIn
                     owns_group=owns)
 
 
+def set_cpu_threads(num_threads: int | None, info: DistInfo) -> None:
+    """``num_threads`` if given; else, for several CPU processes on one machine, an equal share of the cores
+    each (torch would otherwise give every process all cores, and they would fight over them)."""
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    elif info.active and info.device.type == "cpu":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
 def shutdown(info: DistInfo) -> None:
     if info.owns_group and dist.is_initialized():
         dist.destroy_process_group()

@@ -8,19 +8,21 @@ sha256 of every file. See ``seqlab.runtime.store`` for why it is written and rea
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 import torch
 
+import seqlab
 from seqlab.runtime.errors import CheckpointError
 from seqlab.runtime.store import CheckpointStore, optimizer_dict_from_tensors, optimizer_dict_to_tensors
 
 KIND = "seqlab-train-checkpoint"
 
 __all__ = ["KIND", "CheckpointError", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
-           "save_checkpoint", "store"]
+           "model_folder_files", "save_checkpoint", "store"]
 
 
 def store(root: str | os.PathLike, keep_last: int | None = None) -> CheckpointStore:
@@ -56,3 +58,16 @@ def load_checkpoint(path: str | os.PathLike, load_optimizer: bool = True
     if load_optimizer and "optimizer" in tensors:
         optim_sd = optimizer_dict_from_tensors(tensors["optimizer"], state["optimizer"])
     return state, tensors["model"], optim_sd
+
+
+def model_folder_files(model_config: dict | None, out_dir: str | os.PathLike) -> dict[str, bytes]:
+    """The files that make a checkpoint directory a loadable model folder: the seqlab ``config.json`` (so
+    ``load_pretrained(checkpoint_dir)`` works) and the run's tokenizer files (its config keeps the chat template)."""
+    files = {}
+    if model_config is not None:
+        doc = {"format": "seqlab", "seqlab_version": seqlab.__version__, "config": model_config}
+        files["config.json"] = (json.dumps(doc, indent=2) + "\n").encode()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (Path(out_dir) / name).is_file():
+            files[name] = (Path(out_dir) / name).read_bytes()
+    return files

@@ -10,8 +10,8 @@
         log / eval / checkpoint on their intervals (rank 0 writes)
 
 The model never learns which objective it serves, and the Trainer never asks the objective's name: what differs
-between objectives comes through the contract in ``objectives.base``. Everything a resumed run needs goes into
-the checkpoint, so a resumed CPU fp32 run repeats the uninterrupted run's losses exactly.
+between objectives comes through the contract in ``objectives.base``. A resumed CPU fp32 run repeats the
+uninterrupted run's losses exactly: everything it needs is in the checkpoint.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-import seqlab
 from seqlab.eval.metrics import EvalTotals
 from seqlab.runtime import dist as D
 from seqlab.runtime.errors import CheckpointError
@@ -73,9 +72,8 @@ class TrainResult:
 
 
 def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    if device.type == "cpu":
-        return batch
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    return batch if device.type == "cpu" else {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor)
+                                                    else v) for k, v in batch.items()}
 
 
 class Trainer:
@@ -93,18 +91,13 @@ class Trainer:
         self.cfg = cfg
         self.objective = objective
         self.train_data, self.val_data = train_data, val_data
-        self.tokenizer = tokenizer
-        self.callbacks = list(callbacks)
+        self.tokenizer, self.callbacks = tokenizer, list(callbacks)
         self.out_dir = Path(cfg.out_dir)
         self.store = ckpt.store(self.out_dir / "checkpoints", cfg.keep_last)
 
         self.dist = D.init_distributed(device=cfg.device)
         self.device = self.dist.device
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
-        elif self.dist.active and self.device.type == "cpu":
-            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.dist.world_size))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        D.set_cpu_threads(cfg.num_threads, self.dist)
         self.precision = resolve_precision(cfg.precision, self.device)
         self.scaler = self.precision.grad_scaler()
 
@@ -126,9 +119,6 @@ class Trainer:
         self.train_seconds = 0.0
         self.last_checkpoint: Path | None = None
         self.last_eval: dict[str, float] = {}
-        self._byte_table = None
-        if tokenizer is not None and hasattr(tokenizer, "byte_lengths"):
-            self._byte_table = torch.tensor(tokenizer.byte_lengths(), dtype=torch.long)
 
         resume_path = self._find_resume(resume)
         if self.dist.is_main:
@@ -148,10 +138,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------------
     def _find_resume(self, resume: bool | str) -> Path | None:
-        if not resume:
-            return None
-        if isinstance(resume, (str, os.PathLike)) and not isinstance(resume, bool):
-            return Path(resume)
+        if not resume or isinstance(resume, (str, os.PathLike)):
+            return Path(resume) if resume else None
         latest = self.store.latest()
         if latest is None and self.dist.is_main:
             print(f"[seqlab] --resume: no checkpoint under {self.store.root}; starting from scratch")
@@ -184,26 +172,14 @@ class Trainer:
                 "rng": [json.loads(b) for b in rng_all],
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "objective_state": self.objective.state_dict(),
-                "data_state": self._component_state(self.train_data),
+                "data_state": self.train_data.state_dict() if hasattr(self.train_data, "state_dict") else None,
                 "last_eval": self.last_eval,
             }
-            extra = {}
-            if self._model_config_dict() is not None:  # the seqlab.io model format: load_pretrained(ckpt_dir) works
-                doc = {"format": "seqlab", "seqlab_version": seqlab.__version__, "config": self._model_config_dict()}
-                extra["config.json"] = (json.dumps(doc, indent=2) + "\n").encode()
-            for name in ("tokenizer.json", "tokenizer_config.json"):  # the config keeps the chat template
-                if (self.out_dir / name).is_file():
-                    extra[name] = (self.out_dir / name).read_bytes()
             path = ckpt.save_checkpoint(self.store.root, self.step, model_sd, optim_sd, state, self.cfg.keep_last,
-                                        extra_files=extra)
+                                        extra_files=ckpt.model_folder_files(self._model_config_dict(), self.out_dir))
             self.last_checkpoint = path
         D.barrier(self.dist)
         return path
-
-    @staticmethod
-    def _component_state(obj) -> Any:
-        fn = getattr(obj, "state_dict", None)
-        return fn() if callable(fn) and not isinstance(obj, nn.Module) else None
 
     def load(self, path: Path) -> None:
         """Restore everything from a checkpoint directory (verifies file hashes first)."""
@@ -321,7 +297,7 @@ class Trainer:
                 with self.precision.autocast():
                     out = self.objective.loss(model, batch)
                 if s is not None:
-                    totals.add(out, batch, self._byte_table)
+                    totals.add(out, batch, self.objective.byte_table)
         summed = D.all_reduce_sum(totals.as_tensor(self.dist.collective_device), self.dist)
         model.train(was_training)
         totals = EvalTotals.from_tensor(summed, self.dist.world_size)
@@ -384,10 +360,7 @@ class Trainer:
                     if do_log:
                         self.logbook.append(record)
                         window_tokens, window_time = 0, 0.0
-                    post = {"loss": f"{last_loss:.4f}", "lr": f"{record['lr']:.2e}", "tok/s": f"{tok_s:,.0f}"}
-                    if "val_bpb" in self.last_eval:
-                        post["val_bpb"] = f"{self.last_eval['val_bpb']:.3f}"
-                    bar.set_postfix(post, refresh=False)
+                    bar.set_postfix(self._postfix(record), refresh=False)
                     bar.update(1)
                     signal_stop = D.any_rank(stop.requested, self.dist)
                     if signal_stop:
@@ -410,6 +383,10 @@ class Trainer:
                            train_seconds=self.train_seconds, eval=dict(self.last_eval),
                            checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None, losses=losses,
                            signal=int(stop.signum or signal.SIGTERM) if signal_stop else None)
+
+    def _postfix(self, record: dict[str, float]) -> dict[str, str]:
+        post = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+        return post | ({"val_bpb": f"{self.last_eval['val_bpb']:.3f}"} if "val_bpb" in self.last_eval else {})
 
     def _plot(self) -> None:
         try:
