@@ -48,6 +48,8 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
             raise RuntimeError(f"--device {name}: this torch sees no CUDA GPU (use --device cpu or auto)")
         if dev.index is None:
             dev = torch.device("cuda", local_rank)
+        if dev.index >= torch.cuda.device_count():
+            raise RuntimeError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     return dev
 
 
