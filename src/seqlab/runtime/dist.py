@@ -56,7 +56,6 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 def init_distributed(backend: str | None = None, device: str = "auto") -> DistInfo:
     """Join the group torchrun describes (RANK / WORLD_SIZE / LOCAL_RANK); nccl for a GPU, gloo otherwise."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0")) if world > 1 else 0
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else 0
     dev = resolve_device(device, local_rank)
     if world <= 1:

@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from seqlab.runtime.dist import DistInfo
@@ -24,6 +22,10 @@ def wrap_model(model: nn.Module, mode: str, info: DistInfo) -> nn.Module:
     if mode == "ddp":
         return DistributedDataParallel(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
     if mode == "fsdp":
+        # heavy (DTensor and its op tables take seconds to import): only FSDP runs need them
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
         mesh = init_device_mesh(info.device.type, (info.world_size,))
         for block in getattr(model, "blocks", ()):
             if any(p.numel() for p in block.parameters()):

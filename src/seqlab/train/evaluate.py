@@ -6,6 +6,7 @@ TrainConfig in ``state.json``), so evaluation needs nothing but its path.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -13,15 +14,48 @@ import torch
 
 from seqlab.config import ModelConfig
 from seqlab.data import build_dataset, load_tokenizer
-from seqlab.eval.metrics import evaluate
+from seqlab.eval.metrics import EvalTotals, evaluate
 from seqlab.model import build_model
 from seqlab.objectives import build_objective
+from seqlab.runtime import dist as D
 from seqlab.runtime.dist import resolve_device
 from seqlab.runtime.errors import CheckpointError
 from seqlab.train import checkpoint as ckpt
 from seqlab.train.config import TrainConfig
-from seqlab.train.precision import resolve_precision
+from seqlab.train.precision import Precision, resolve_precision
 from seqlab.train.run import dataset_options
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return batch if device.type == "cpu" else {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor)
+                                                    else v) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def evaluate_on_ranks(model: torch.nn.Module, objective: Any, data: Any, batch_size: int, max_batches: int | None,
+                      precision: Precision, info: D.DistInfo, pad_ranks: bool = False) -> EvalTotals:
+    """The Trainer's evaluation: batches of ``data`` split over ranks, pooled into one ``EvalTotals`` on every rank
+    (the same sums ``seqlab eval`` pools). ``pad_ranks``: every rank runs the same number of forwards, as FSDP
+    needs (its ranks all-gather weights together)."""
+    was_training = model.training
+    model.eval()
+    starts = list(range(0, len(data), batch_size))[:max_batches]
+    mine = starts[info.rank::info.world_size]
+    if pad_ranks:
+        mine = mine + [None] * (math.ceil(len(starts) / info.world_size) - len(mine))
+    totals = EvalTotals()
+    with objective.evaluating():  # MLM: the same masks every time, without moving the training RNG
+        for s in mine:
+            first = starts[0] if s is None else s  # None: a padding forward that only keeps the ranks in step
+            rows = [data[i] for i in range(first, min(first + batch_size, len(data)))]
+            batch = to_device(objective.collate(rows), info.device)
+            with precision.autocast():
+                out = objective.loss(model, batch)
+            if s is not None:
+                totals.add(out, batch, objective.byte_table)
+    summed = D.all_reduce_sum(totals.as_tensor(info.collective_device), info)
+    model.train(was_training)
+    return EvalTotals.from_tensor(summed, info.world_size)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -24,15 +24,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
 
-from seqlab.eval.metrics import EvalTotals
 from seqlab.runtime import dist as D
 from seqlab.runtime.errors import CheckpointError
 from seqlab.runtime.files import atomic_write_text
@@ -43,12 +39,18 @@ from seqlab.runtime.signals import GracefulStop
 from seqlab.train import checkpoint as ckpt
 from seqlab.train.config import RESUME_MUTABLE, TrainConfig
 from seqlab.train.distributed import set_grad_sync, wrap_model
+from seqlab.train.evaluate import evaluate_on_ranks, to_device
 from seqlab.train.optim import build_optimizer
 from seqlab.train.order import StepSampler
 from seqlab.train.precision import resolve_precision
 from seqlab.train.recompute import enable_activation_checkpointing
 from seqlab.train.rundir import claim_run_dir
 from seqlab.train.schedule import LRSchedule
+
+
+# metrics.jsonl names of the pooled evaluation metrics (eval.metrics.EvalTotals.as_dict)
+_VAL_NAMES = {"loss": "val_loss", "n_targets": "val_targets", "perplexity": "val_ppl", "bits_per_byte": "val_bpb",
+              "n_bytes": "val_bytes"}
 
 
 class TrainingDiverged(RuntimeError):
@@ -69,11 +71,6 @@ class TrainResult:
     checkpoint: str | None = None
     losses: list[float] = field(default_factory=list)  # per-step losses of this call (all steps, not just logged)
     signal: int | None = None  # the signal that ended the run early (after a checkpoint at its step)
-
-
-def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
-    return batch if device.type == "cpu" else {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor)
-                                                    else v) for k, v in batch.items()}
 
 
 class Trainer:
@@ -158,9 +155,11 @@ class Trainer:
     # --- state ------------------------------------------------------------------------------------------------
     def save(self) -> Path | None:
         """Write a checkpoint of the current step (collective: every rank must call it)."""
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd = get_model_state_dict(self.raw_model, options=opts)
-        optim_sd = get_optimizer_state_dict(self.raw_model, self.optimizer, options=opts)
+        import torch.distributed.checkpoint.state_dict as sd_api  # heavy (seconds): only save/load need it
+
+        opts = sd_api.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd = sd_api.get_model_state_dict(self.raw_model, options=opts)
+        optim_sd = sd_api.get_optimizer_state_dict(self.raw_model, self.optimizer, options=opts)
         rng_all = D.gather_bytes(json.dumps(capture_rng()).encode(), self.dist)
         path = None
         if self.dist.is_main:
@@ -183,16 +182,18 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         """Restore everything from a checkpoint directory (verifies file hashes first)."""
+        import torch.distributed.checkpoint.state_dict as sd_api  # heavy (seconds): only save/load need it
+
         state, model_sd, optim_sd = ckpt.load_checkpoint(path)
         old, new = state.get("train_config", {}), self.cfg.to_dict()
         diffs = sorted(k for k in new if k not in RESUME_MUTABLE and k in old and old[k] != new[k])
         if diffs:
             detail = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in diffs)
             raise CheckpointError(f"{path}: cannot resume, the run configuration changed ({detail})")
-        opts = StateDictOptions(full_state_dict=True, strict=True)
-        set_model_state_dict(self.raw_model, model_sd, options=opts)
+        opts = sd_api.StateDictOptions(full_state_dict=True, strict=True)
+        sd_api.set_model_state_dict(self.raw_model, model_sd, options=opts)
         if optim_sd is not None:
-            set_optimizer_state_dict(self.raw_model, self.optimizer, optim_sd, options=opts)
+            sd_api.set_optimizer_state_dict(self.raw_model, self.optimizer, optim_sd, options=opts)
         tr = state["trainer"]
         self.step, self.tokens_seen, self.train_seconds = int(tr["step"]), int(tr["tokens_seen"]), float(tr["train_seconds"])
         self.sampler.load_state_dict(tr["sampler"])
@@ -219,7 +220,7 @@ class Trainer:
         cfg, coll = self.cfg, self.dist.collective_device
         self.model.train()
         micro = [self.objective.collate([self.train_data[i] for i in idx]) for idx in self.sampler.next_step()]
-        micro = [_to_device(b, self.device) for b in micro]
+        micro = [to_device(b, self.device) for b in micro]
         counts = torch.tensor([sum(int(self.objective.num_targets(b)) for b in micro),
                                sum(self.objective.count_tokens(b) for b in micro)], dtype=torch.float64, device=coll)
         D.all_reduce_sum(counts, self.dist)
@@ -273,39 +274,18 @@ class Trainer:
         return record
 
     # --- evaluation -------------------------------------------------------------------------------------------
-    @torch.no_grad()
     def evaluate(self, data=None, max_batches: int | None = None) -> dict[str, float]:
         """Validation metrics over ``data`` (default: the validation set), pooled over all ranks exactly as
         ``seqlab eval`` pools them (``eval.metrics.EvalTotals``)."""
         data = self.val_data if data is None else data
         if data is None or len(data) == 0:
             return {}
-        model = self.model if self.fsdp else self.raw_model
-        was_training = model.training
-        model.eval()
         bs = self.cfg.eval_batch_size or self.cfg.batch_size
-        starts = list(range(0, len(data), bs))[: max_batches or self.cfg.eval_batches]
-        mine = starts[self.dist.rank::self.dist.world_size]
-        if self.fsdp:  # every rank must run the same number of forwards (they all-gather weights)
-            mine = mine + [None] * (math.ceil(len(starts) / self.dist.world_size) - len(mine))
-        totals = EvalTotals()
-        with self.objective.evaluating():  # MLM: the same masks every time, without moving the training RNG
-            for s in mine:
-                first = starts[0] if s is None else s  # None: a padding forward that only keeps FSDP in step
-                batch = _to_device(self.objective.collate([data[i] for i in range(first, min(first + bs, len(data)))]),
-                                   self.device)
-                with self.precision.autocast():
-                    out = self.objective.loss(model, batch)
-                if s is not None:
-                    totals.add(out, batch, self.objective.byte_table)
-        summed = D.all_reduce_sum(totals.as_tensor(self.dist.collective_device), self.dist)
-        model.train(was_training)
-        totals = EvalTotals.from_tensor(summed, self.dist.world_size)
+        totals = evaluate_on_ranks(self.model if self.fsdp else self.raw_model, self.objective, data, bs,
+                                   max_batches or self.cfg.eval_batches, self.precision, self.dist, pad_ranks=self.fsdp)
         if totals.n_targets == 0:
             return {}
-        names = {"loss": "val_loss", "n_targets": "val_targets", "perplexity": "val_ppl", "bits_per_byte": "val_bpb",
-                 "n_bytes": "val_bytes"}
-        return {names[k]: v for k, v in totals.as_dict(self.objective.token_level).items() if k in names}
+        return {_VAL_NAMES[k]: v for k, v in totals.as_dict(self.objective.token_level).items() if k in _VAL_NAMES}
 
     # --- the loop ---------------------------------------------------------------------------------------------
     def _done(self) -> bool:
