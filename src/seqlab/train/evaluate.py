@@ -12,15 +12,15 @@ from typing import Any
 
 import torch
 
+import seqlab.runtime.dist as D
+import seqlab.train.checkpoint as ckpt
 from seqlab.config import ModelConfig
 from seqlab.data import build_dataset, load_tokenizer
 from seqlab.eval.metrics import EvalTotals, evaluate
 from seqlab.model import build_model
 from seqlab.objectives import build_objective
-from seqlab.runtime import dist as D
 from seqlab.runtime.dist import resolve_device
 from seqlab.runtime.errors import CheckpointError
-from seqlab.train import checkpoint as ckpt
 from seqlab.train.config import TrainConfig
 from seqlab.train.precision import Precision, resolve_precision
 from seqlab.train.run import dataset_options

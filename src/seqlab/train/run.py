@@ -12,12 +12,12 @@ from typing import Any, Callable
 
 import torch
 
+import seqlab.train.checkpoint as ckpt
 from seqlab.config import ModelConfig
 from seqlab.data import build_dataset, build_tokenizer, load_tokenizer
 from seqlab.data.readers import read_documents
 from seqlab.model import build_model
 from seqlab.objectives import build_objective, objective_class
-from seqlab.train import checkpoint as ckpt
 from seqlab.train.config import TrainConfig, read_run_config
 from seqlab.train.presets import model_config
 

@@ -29,14 +29,14 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from seqlab.runtime import dist as D
+import seqlab.runtime.dist as D
+import seqlab.train.checkpoint as ckpt
 from seqlab.runtime.errors import CheckpointError
 from seqlab.runtime.files import atomic_write_text
 from seqlab.runtime.logbook import Logbook
 from seqlab.runtime.progress import progress
 from seqlab.runtime.rng import capture_rng, restore_rng
 from seqlab.runtime.signals import GracefulStop
-from seqlab.train import checkpoint as ckpt
 from seqlab.train.config import RESUME_MUTABLE, TrainConfig
 from seqlab.train.distributed import set_grad_sync, wrap_model
 from seqlab.train.evaluate import evaluate_on_ranks, to_device
