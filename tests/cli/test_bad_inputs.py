@@ -44,10 +44,26 @@ def run_seqlab(args: list[str], cwd: Path, env: dict[str, str] | None = None,
 
 # --- tables, one per command ------------------------------------------------------------------------------
 
+_TINY = ["--preset", "tiny", "--tokenizer", "byte", "--max-steps", "1", "--batch-size", "2", "--seq-len", "32",
+         "--no-progress"]
+
 TRAIN_CASES: list[Case] = [
+    Case("train-into-existing-run", ["train", *_TINY, "--out", "{run}"], "--resume"),
+    Case("train-resume-and-overwrite", ["train", *_TINY, "--out", "{run}", "--resume", "--overwrite"], "--overwrite"),
+    Case("train-out-is-a-file", ["train", *_TINY, "--out", "{tmp}/afile"], "is a file", files={"afile": "x"}),
+    Case("train-out-under-a-file", ["train", *_TINY, "--out", "{tmp}/afile/run"], "lies under", files={"afile": "x"}),
+    Case("train-out-not-writable", ["train", *_TINY, "--out", "/sys/seqlab-bad-input-run"], "not writable"),
+    Case("train-device-cuda-missing", ["train", *_TINY, "--device", "cuda:99", "--out", "{tmp}/r"], "--device cuda:99"),
+    Case("train-model-bogus-field", ["train", *_TINY, "--model", "bogus_key=1", "--out", "{tmp}/r"], "bogus_key"),
+    Case("train-resume-truncated-config", ["train", "--out", "{tmp}/cut", "--resume", "--no-progress"],
+         "cut/config.json: not valid JSON", files={"cut/config.json": '{"train": {"objective": "clm", "seq_len":'}),
 ]
 
 EVAL_CASES: list[Case] = [
+    Case("eval-json-under-a-file", ["eval", "{run}", "--json", "{tmp}/afile/e.json"], "lies under", files={"afile": "x"}),
+    Case("eval-json-is-a-directory", ["eval", "{run}", "--json", "{tmp}"], "is a directory"),
+    Case("eval-device-cuda-missing", ["eval", "{run}", "--device", "cuda:99"], "--device cuda:99"),
+    Case("eval-no-checkpoint", ["eval", "{tmp}"], "no seqlab checkpoint"),
 ]
 
 GENERATE_CASES: list[Case] = [
@@ -96,7 +112,8 @@ def tiny_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tiny_run")
     run = root / "run"
     proc = run_seqlab(["train", "--preset", "tiny", "--tokenizer", "byte", "--max-steps", "2", "--batch-size", "2",
-                       "--seq-len", "32", "--ckpt-interval", "2", "--no-progress", "--out", str(run)], cwd=root)
+                       "--seq-len", "32", "--ckpt-interval", "2", "--eval-batches", "2", "--no-progress", "--out", str(run)],
+                      cwd=root)
     assert proc.returncode == 0, proc.stderr
     return run
 

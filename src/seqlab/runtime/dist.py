@@ -48,13 +48,14 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
             raise RuntimeError(f"--device {name}: this torch sees no CUDA GPU (use --device cpu or auto)")
         if dev.index is None:
             dev = torch.device("cuda", local_rank)
+        if dev.index >= torch.cuda.device_count():
+            raise RuntimeError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     return dev
 
 
 def init_distributed(backend: str | None = None, device: str = "auto") -> DistInfo:
     """Join the group torchrun describes (RANK / WORLD_SIZE / LOCAL_RANK); nccl for a GPU, gloo otherwise."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0")) if world > 1 else 0
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if world > 1 else 0
     dev = resolve_device(device, local_rank)
     if world <= 1:
@@ -67,6 +68,16 @@ def init_distributed(backend: str | None = None, device: str = "auto") -> DistIn
         owns = True
     return DistInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=dev,
                     owns_group=owns)
+
+
+def set_cpu_threads(num_threads: int | None, info: DistInfo) -> None:
+    """``num_threads`` if given; else, for several CPU processes on one machine, an equal share of the cores
+    each (torch would otherwise give every process all cores, and they would fight over them)."""
+    if num_threads:
+        torch.set_num_threads(num_threads)
+    elif info.active and info.device.type == "cpu":
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
 def shutdown(info: DistInfo) -> None:

@@ -15,8 +15,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from matplotlib.figure import Figure
-
 from seqlab.runtime.files import atomic_write_text
 
 
@@ -88,6 +86,8 @@ class Logbook:
         """
         if not self.enabled:
             return None
+        from matplotlib.figure import Figure  # heavy (seconds to import): only plotting needs it
+
         rows = self.rows()
         series = {y: [(r[x], r[y]) for r in rows if r.get(x) is not None and r.get(y) is not None]
                   for y in (*ys, *ys_right)}
