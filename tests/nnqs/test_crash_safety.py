@@ -126,7 +126,7 @@ def test_a_new_run_never_mixes_with_an_old_one(tmp_path, system):
     ham, out = system("h2").hamiltonian, tmp_path / "run"
     run_vmc(ham, VMCConfig(steps=3, checkpoint_every=1), out=out)
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    with pytest.raises(ValueError, match="already holds a run .*--resume"):
+    with pytest.raises(ValueError, match="already holds a run .*--resume .*--overwrite"):
         run_vmc(ham, VMCConfig(steps=2), out=out)
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     res = run_vmc(ham, VMCConfig(steps=4, checkpoint_every=1), out=out, resume=True)  # --resume extends it

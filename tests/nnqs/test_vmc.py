@@ -69,6 +69,20 @@ def test_cli_reads_an_xyz_file_in_bohr_and_mirrors_to_tensorboard(tmp_path, syst
     assert {"error_mha", "lr", "temperature"} <= set(acc.Tags()["scalars"])
 
 
+def test_cli_refuses_an_existing_run_unless_resumed_or_moved_aside(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["--molecule", "h2", "--steps", "2", "--out", str(out), "--quiet", "--no-cc"]
+    assert _cli(argv) == 0
+    first = (out / "energies.jsonl").read_text()
+    with pytest.raises(ValueError, match="already holds a run"):
+        _cli(argv)
+    assert _cli([*argv, "--overwrite"]) == 0
+    (old,) = tmp_path.glob("run.old-*")
+    assert (old / "energies.jsonl").read_text() == first and (old / "checkpoints" / "step_00000002").is_dir()
+    assert len((out / "energies.jsonl").read_text().splitlines()) == 2
+    assert "moved to" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_vmc_lih_reaches_chemical_accuracy(system):
     s = system("lih")

@@ -12,17 +12,16 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from seqlab.nnqs.ansatz import AnsatzConfig
 from seqlab.nnqs.driver import RunResult, run_vmc
 from seqlab.nnqs.molecules import UNITS, get_molecule
 from seqlab.nnqs.references import prepare
 from seqlab.nnqs.sampler import SamplerConfig
 from seqlab.nnqs.vmc import HARTREE_TO_MHA, VMCConfig
-from seqlab.nnqs.vmc_checkpoint import check_new_run
+from seqlab.nnqs.vmc_checkpoint import check_new_run, move_aside
 from seqlab.runtime import atomic_write_text, progress as progress_bar
-from seqlab.runtime.dist import init_distributed, shutdown
+from seqlab.runtime.dist import barrier, init_distributed, set_cpu_threads, shutdown
+from seqlab.runtime.files import ensure_writable_dir
 from seqlab.runtime.signals import GracefulStop
 
 EPILOG = """\
@@ -74,6 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output folder (default runs/nnqs-<molecule>)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT if there is one")
+    p.add_argument("--overwrite", action="store_true",
+                   help="OUT holds a run: move it aside to OUT.old-<time> and start a new one")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (>= 1)")
     p.add_argument("--tensorboard", metavar="DIR", default=None,
                    help="also write the per-step metrics as TensorBoard event files into DIR")
@@ -125,24 +126,6 @@ def check_flags(args: argparse.Namespace) -> int:
     return samples
 
 
-def check_out_dir(out: Path, flag: str = "--out") -> None:
-    """Make sure OUT is (or can become) a writable folder, so a long run cannot fail at its first write."""
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{flag} {out} is a file, not a folder")
-    parent = out
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"{flag} {out}: {parent} is a file, not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        probe = out / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        raise ValueError(f"{flag} {out} is not writable ({e.strerror or e})") from None
-
-
 def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, ansatz: AnsatzConfig,
                   world_size: int, wall_s: float, t_ref: float) -> dict:
     """result.json: the run's inputs, the NNQS energy and every reference on the same orbitals."""
@@ -172,14 +155,20 @@ def run(args: argparse.Namespace) -> int:
     samples = check_flags(args)
     mol = get_molecule(args.molecule, args.atom, args.basis, args.charge, args.spin, xyz=args.xyz, unit=args.unit)
     out = Path(args.out or os.path.join("runs", f"nnqs-{mol.name.lower()}"))
-    check_out_dir(out)
-    check_new_run(out, args.resume)
+    if args.resume and args.overwrite:
+        raise ValueError("--resume and --overwrite contradict each other: continue the run in --out, or replace it")
+    ensure_writable_dir(out, "--out")
     if args.tensorboard:
-        check_out_dir(Path(args.tensorboard), "--tensorboard")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+        ensure_writable_dir(args.tensorboard, "--tensorboard")
+    if not args.overwrite:  # (with --overwrite the main rank moves an old run aside below)
+        check_new_run(out, args.resume)
     dist = init_distributed(backend="gloo", device="cpu")  # seqlab.nnqs runs on CPU
+    set_cpu_threads(args.threads, dist)
     try:
+        if args.overwrite and dist.is_main and (moved := move_aside(out)) is not None:
+            ensure_writable_dir(out, "--out")
+            print(f"[seqlab] --overwrite: the previous run in {out} was moved to {moved}", file=sys.stderr)
+        barrier(dist)  # no rank looks at --out before an old run has left it
         t0 = time.perf_counter()
         system = prepare(mol, fci=not args.no_fci, cc=not args.no_cc)
         t_ref = time.perf_counter() - t0

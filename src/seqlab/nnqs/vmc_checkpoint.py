@@ -9,6 +9,8 @@ so a resumed run continues bit for bit.
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -68,11 +70,11 @@ def existing_run(out: Path) -> Path | None:
 
 
 def check_new_run(out: Path, resume: bool) -> None:
-    """Refuse to mix two runs in one folder: a new run needs a fresh ``out`` (or ``--resume``)."""
+    """Refuse to mix two runs in one folder: a new run needs a fresh ``out`` (or ``--resume``, or ``--overwrite``)."""
     found = existing_run(out)
     if not resume and found is not None:
-        raise ValueError(f"--out {out} already holds a run ({found}); pass --resume to continue it, "
-                         f"or choose another --out")
+        raise ValueError(f"--out {out}: already holds a run ({found}); use --resume to continue it, or --overwrite "
+                         f"to move it aside and start a new one")
     if not resume:
         return
     store = checkpoint_store(out, None)
@@ -82,6 +84,18 @@ def check_new_run(out: Path, resume: bool) -> None:
     elif (out / LEGACY_CHECKPOINT).exists():
         raise ValueError(f"{out / LEGACY_CHECKPOINT}: a checkpoint of the older, non-atomic layout cannot be "
                          f"resumed; start a new run with another --out")
+
+
+def move_aside(out: Path) -> Path | None:
+    """For ``--overwrite``: rename a run in ``out`` to ``<out>.old-<UTC time>`` (nothing is deleted)."""
+    if existing_run(out) is None:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    moved, n = out.with_name(f"{out.name}.old-{stamp}"), 1
+    while moved.exists():
+        moved, n = out.with_name(f"{out.name}.old-{stamp}-{n}"), n + 1
+    os.rename(out, moved)
+    return moved
 
 
 def _is_stray_temp(name: str) -> bool:
