@@ -50,7 +50,7 @@ class VMCConfig:
     local_energy: str = "exact"
     # exact E_loc through H precomputed over the whole (N_alpha, N_beta) sector (local_energy.SectorHamiltonian)
     # when the sector has at most this many configurations; 0 disables. Costs per step one no-grad pass over the
-    # whole sector (prefix tree on the KV cache), and memory <= ~12 bytes x N_conf x (singles + doubles): 22 MiB for N2.
+    # whole sector (prefix tree on the KV cache), and memory of about 12 bytes x N_conf x (singles + doubles).
     sector_max: int = 200_000
     # entropy annealing: minimise E - T*S(P), T decaying linearly to 0 over the first anneal_frac of the steps.
     # T0 = anneal * (spread of diagonal energies over the first step's samples), so one value fits all molecules.
@@ -129,8 +129,8 @@ def build_sector(ham: Hamiltonian, cfg: VMCConfig, dist: DistInfo) -> SectorHami
 def sector_log_psi(wf: Wavefunction, sector: SectorHamiltonian) -> Tensor:
     """log psi [D] complex128 on every sector configuration, in ``sector.keys`` order.
 
-    log P comes from walking the whole prefix tree on the KV cache (``enumerate_log_prob``), ~4x cheaper than one
-    parallel forward over the finished configurations; the phase MLP runs on all of them in one batch. Every rank
+    log P comes from walking the whole prefix tree on the KV cache (``enumerate_log_prob``), cheaper than one
+    parallel forward over the finished configurations because shared prefixes are read once; the phase MLP runs on all of them in one batch. Every rank
     evaluates the whole sector itself (no communication; it needs the rows of its own samples only).
     """
     tokens, logp = enumerate_log_prob(wf)
