@@ -48,13 +48,16 @@ def build_tokenizer_for(cfg: TrainConfig, cache_dir: str | Path | None = None, r
     run's own text when ``--data`` is natural text."""
     out = Path(cfg.out_dir)
     saved = out / "tokenizer.json"
-    if resume and saved.is_file():
-        recorded = read_run_config(out).get("tokenizer") if (out / "config.json").is_file() else cfg.tokenizer
-        if recorded != cfg.tokenizer:
-            raise ValueError(f"{saved}: built for --tokenizer {recorded}, but this run asks for --tokenizer "
-                             f"{cfg.tokenizer}; a resumed run must keep its tokenizer")
-        return load_tokenizer(saved)
     spec = cfg.tokenizer or default_tokenizer(cfg.objective)
+    if resume and saved.is_file():
+        recorded = spec
+        if (out / "config.json").is_file():
+            run = read_run_config(out)
+            recorded = run.get("tokenizer") or default_tokenizer(run.get("objective", cfg.objective))
+        if recorded != spec:
+            raise ValueError(f"{saved}: built for --tokenizer {recorded}, but this run asks for --tokenizer {spec}; "
+                             "a resumed run must keep its tokenizer")
+        return load_tokenizer(saved)
     train_texts = None
     if spec.startswith("bpe") and cfg.data is not None and objective_class(cfg.objective).natural_text:
         train_texts = read_documents(cfg.data)
