@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from seqlab.nnqs.driver import run_vmc
 from seqlab.nnqs.vmc import VMCConfig
 from seqlab.nnqs.vmc_checkpoint import checkpoint_store
+from seqlab.runtime.signals import GracefulStop
 
 # every field of a step row that is not a clock reading
 DETERMINISTIC = ("step", "energy", "energy_imag", "energy_std", "variance", "n_unique", "lr", "temperature")
@@ -131,3 +132,27 @@ def test_a_new_run_never_mixes_with_an_old_one(tmp_path, system):
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     res = run_vmc(ham, VMCConfig(steps=4, checkpoint_every=1), out=out, resume=True)  # --resume extends it
     assert [r["step"] for r in res.records] == [0, 1, 2, 3] and len(_rows(out)) == 4
+
+
+def test_first_sigint_checkpoints_the_step_and_a_second_one_leaves_at_once(tmp_path, system):
+    """In-process, with the signal sent from inside step 2: one SIGINT ends the run after that step, checkpointed;
+    two SIGINTs raise KeyboardInterrupt at once, without writing that step's checkpoint."""
+    ham = system("h2").hamiltonian
+
+    def send(times: int):
+        def callback(st):
+            if st.step == 2:
+                for _ in range(times):
+                    os.kill(os.getpid(), signal.SIGINT)
+        return callback
+
+    with GracefulStop() as stop:
+        res = run_vmc(ham, VMCConfig(steps=50, checkpoint_every=40), out=tmp_path / "one", callback=send(1),
+                      stop=stop)
+    assert (res.stopped_at, res.final, stop.exit_code) == (3, None, 128 + signal.SIGINT)
+    assert res.checkpoint == tmp_path / "one" / "checkpoints" / "step_00000003" and res.checkpoint.is_dir()
+    assert len(_rows(tmp_path / "one")) == 3
+
+    with GracefulStop() as stop, pytest.raises(KeyboardInterrupt):
+        run_vmc(ham, VMCConfig(steps=50, checkpoint_every=40), out=tmp_path / "two", callback=send(2), stop=stop)
+    assert _latest_step(tmp_path / "two") == 0
