@@ -24,11 +24,12 @@ from pathlib import Path
 import torch
 
 from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
-from seqlab.nnqs.distributed import Dist
-from seqlab.nnqs.molecules import get_molecule, prepare
+from seqlab.nnqs.molecules import get_molecule
+from seqlab.nnqs.references import prepare
 from seqlab.nnqs.sampler import SamplerConfig, sample
 from seqlab.nnqs.local_energy import SectorHamiltonian
 from seqlab.nnqs.vmc import VMCConfig, vmc_step
+from seqlab.runtime.dist import DistInfo
 
 
 def timed(fn, repeats: int) -> tuple[float, object, float]:
@@ -108,7 +109,7 @@ def main() -> None:
             torch.manual_seed(0)
             wf_t = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta, acfg)
             opt = torch.optim.AdamW(wf_t.parameters(), lr=cfg.lr)
-            steps = [vmc_step(wf_t, ham, opt, cfg, i, Dist(), sector=sec) for i in range(a.vmc_steps)]
+            steps = [vmc_step(wf_t, ham, opt, cfg, i, DistInfo(), sector=sec) for i in range(a.vmc_steps)]
             br = {k: statistics.median(getattr(st, k) for st in steps)
                   for k in ("t_sample", "t_local_energy", "t_backward")}
             br.update(samples=int(ns), path=e_path, n_unique=steps[-1].n_unique,

@@ -44,10 +44,26 @@ def run_seqlab(args: list[str], cwd: Path, env: dict[str, str] | None = None,
 
 # --- tables, one per command ------------------------------------------------------------------------------
 
+_TINY = ["--preset", "tiny", "--tokenizer", "byte", "--max-steps", "1", "--batch-size", "2", "--seq-len", "32",
+         "--no-progress"]
+
 TRAIN_CASES: list[Case] = [
+    Case("train-into-existing-run", ["train", *_TINY, "--out", "{run}"], "--resume"),
+    Case("train-resume-and-overwrite", ["train", *_TINY, "--out", "{run}", "--resume", "--overwrite"], "--overwrite"),
+    Case("train-out-is-a-file", ["train", *_TINY, "--out", "{tmp}/afile"], "is a file", files={"afile": "x"}),
+    Case("train-out-under-a-file", ["train", *_TINY, "--out", "{tmp}/afile/run"], "lies under", files={"afile": "x"}),
+    Case("train-out-not-writable", ["train", *_TINY, "--out", "/sys/seqlab-bad-input-run"], "not writable"),
+    Case("train-device-cuda-missing", ["train", *_TINY, "--device", "cuda:99", "--out", "{tmp}/r"], "--device cuda:99"),
+    Case("train-model-bogus-field", ["train", *_TINY, "--model", "bogus_key=1", "--out", "{tmp}/r"], "bogus_key"),
+    Case("train-resume-truncated-config", ["train", "--out", "{tmp}/cut", "--resume", "--no-progress"],
+         "cut/config.json: not valid JSON", files={"cut/config.json": '{"train": {"objective": "clm", "seq_len":'}),
 ]
 
 EVAL_CASES: list[Case] = [
+    Case("eval-json-under-a-file", ["eval", "{run}", "--json", "{tmp}/afile/e.json"], "lies under", files={"afile": "x"}),
+    Case("eval-json-is-a-directory", ["eval", "{run}", "--json", "{tmp}"], "is a directory"),
+    Case("eval-device-cuda-missing", ["eval", "{run}", "--device", "cuda:99"], "--device cuda:99"),
+    Case("eval-no-checkpoint", ["eval", "{tmp}"], "no seqlab checkpoint"),
 ]
 
 GENERATE_CASES: list[Case] = [
@@ -72,6 +88,22 @@ CHAT_CASES: list[Case] = [
 ]
 
 NNQS_CASES: list[Case] = [
+    Case("nnqs-negative-warmup", ["nnqs", "--molecule", "h2", "--warmup", "-1", "--out", "{tmp}/o"], "--warmup must be >= 0"),
+    Case("nnqs-negative-anneal", ["nnqs", "--molecule", "h2", "--anneal", "-0.1", "--out", "{tmp}/o"], "--anneal must be >= 0"),
+    Case("nnqs-max-batch-0", ["nnqs", "--molecule", "h2", "--max-batch", "0", "--out", "{tmp}/o"], "--max-batch must be >= 1"),
+    Case("nnqs-samples-0", ["nnqs", "--molecule", "h2", "--samples", "0", "--out", "{tmp}/o"], "--samples must be a positive integer"),
+    Case("nnqs-out-is-a-file", ["nnqs", "--molecule", "h2", "--out", "{tmp}/f"], "is a file, not a directory", files={"f": "x"}),
+    Case("nnqs-out-under-a-file", ["nnqs", "--molecule", "h2", "--out", "{tmp}/f/run"], "lies under", files={"f": "x"}),
+    Case("nnqs-out-not-writable", ["nnqs", "--molecule", "h2", "--out", "/sys/seqlab-nnqs-out"], "not writable"),
+    Case("nnqs-tensorboard-is-a-file", ["nnqs", "--molecule", "h2", "--out", "{tmp}/o", "--tensorboard", "{tmp}/f"], "--tensorboard", files={"f": "x"}),
+    Case("nnqs-out-holds-a-run", ["nnqs", "--molecule", "h2", "--out", "{run}"], "use --resume to continue it"),
+    Case("nnqs-resume-and-overwrite", ["nnqs", "--molecule", "h2", "--out", "{run}", "--resume", "--overwrite"], "contradict"),
+    Case("nnqs-resume-a-train-run", ["nnqs", "--molecule", "h2", "--no-cc", "--no-fci", "--out", "{run}", "--resume"], "not a seqlab-nnqs-checkpoint"),
+    Case("nnqs-xyz-bad-line", ["nnqs", "--xyz", "{tmp}/m.xyz"], "m.xyz:4: 'H 0 0 x': coordinates must be numbers", files={"m.xyz": "2\nc\nH 0 0 0\nH 0 0 x\n"}),
+    Case("nnqs-xyz-short", ["nnqs", "--xyz", "{tmp}/m.xyz"], "m.xyz:4: file ends after 1 atoms", files={"m.xyz": "2\nc\nH 0 0 0\n"}),
+    Case("nnqs-xyz-missing", ["nnqs", "--xyz", "{tmp}/none.xyz"], "none.xyz: cannot read it"),
+    Case("nnqs-unit-with-builtin", ["nnqs", "--molecule", "h2", "--unit", "bohr", "--out", "{tmp}/o"], "built-in molecules are in Angstrom"),
+    Case("nnqs-unknown-molecule", ["nnqs", "--molecule", "benzene", "--out", "{tmp}/o"], "known molecules: h2, lih"),
 ]
 
 INFO_CASES: list[Case] = [
@@ -102,7 +134,8 @@ def tiny_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tiny_run")
     run = root / "run"
     proc = run_seqlab(["train", "--preset", "tiny", "--tokenizer", "byte", "--max-steps", "2", "--batch-size", "2",
-                       "--seq-len", "32", "--ckpt-interval", "2", "--no-progress", "--out", str(run)], cwd=root)
+                       "--seq-len", "32", "--ckpt-interval", "2", "--eval-batches", "2", "--no-progress", "--out", str(run)],
+                      cwd=root)
     assert proc.returncode == 0, proc.stderr
     return run
 

@@ -8,11 +8,12 @@ import pytest
 
 import pyscf  # noqa: F401  (the [dev] extra installs it; fail loudly, never skip, if it is missing)
 
+from seqlab.nnqs.molecules import get_molecule
+from seqlab.nnqs.references import prepare
+
 
 @functools.lru_cache(maxsize=None)
 def _system(name: str):
-    from seqlab.nnqs.molecules import get_molecule, prepare
-
     return prepare(get_molecule(name), cc=False)
 
 

@@ -5,7 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from seqlab.nnqs.molecules import BUILTIN, MoleculeError, get_molecule, parse_atoms, prepare
+from seqlab.nnqs.molecules import BOHR_IN_ANGSTROM, BUILTIN, MoleculeError, get_molecule, parse_atoms, read_xyz
+from seqlab.nnqs.references import prepare
+from seqlab.nnqs.space import all_configurations, tokens_to_keys
+
+WATER_XYZ = """3
+water, Choo et al. geometry (Angstrom)
+O 0 0 0.137
+H 0 0.769 -0.546
+  h   0.0  -0.769  -0.546
+
+"""
 
 
 def test_builtin_geometries_and_electron_counts():
@@ -58,8 +68,6 @@ def test_impossible_charge_spin(kw, match):
 
 def test_open_shell_atom_string_uses_rohf_and_right_spin_fci():
     """H3 chain, doublet: ROHF orbitals; the FCI reference is the lowest S=1/2 root; ED agrees."""
-    from seqlab.nnqs.space import all_configurations, tokens_to_keys
-
     m = get_molecule(atom="H 0 0 0\nH 0 0 0.9\nH 0 0 1.8", spin=1)
     assert m.name == "H3" and (m.n_alpha, m.n_beta) == (2, 1)
     s = prepare(m, cc=False)
@@ -68,3 +76,61 @@ def test_open_shell_atom_string_uses_rohf_and_right_spin_fci():
     w = np.linalg.eigvalsh(ham.dense(tokens_to_keys(all_configurations(ham.n_orb, 2, 1))))
     assert abs(w[0] - s.references.e_fci) < 1e-8
     assert abs(s.references.fci_s2[0] - 0.75) < 1e-6
+
+
+def test_xyz_file_gives_the_built_in_molecule(tmp_path):
+    (tmp_path / "water.xyz").write_text(WATER_XYZ)
+    m = get_molecule(xyz=tmp_path / "water.xyz")
+    ref = get_molecule("h2o")
+    assert (m.name, m.unit, m.n_electrons) == ("OH2", "angstrom", 10)
+    assert m.atoms == ref.atoms  # element case and spacing are free; a trailing blank line is allowed
+
+
+def test_bohr_coordinates_give_the_same_molecule_as_angstrom():
+    """H2 at 0.734 A written in Bohr: the same SCF energy (PySCF converts with the same constant)."""
+    d = 0.734 / BOHR_IN_ANGSTROM
+    bohr = get_molecule(atom=f"H 0 0 0; H 0 0 {d!r}", unit="bohr")
+    angstrom = get_molecule("h2")
+    assert bohr.unit == "bohr"
+    e_bohr = prepare(bohr, fci=False, cc=False).references.e_hf
+    e_angstrom = prepare(angstrom, fci=False, cc=False).references.e_hf
+    assert abs(e_bohr - e_angstrom) < 1e-9
+    get_molecule(atom="H 0 0 0; H 0 0 0.15")  # 0.15 A is allowed, 0.15 bohr (0.079 A) is not
+    with pytest.raises(MoleculeError, match=r"0.15 bohr apart \(< 0.189 bohr\); coordinates are in Bohr"):
+        get_molecule(atom="H 0 0 0; H 0 0 0.15", unit="bohr")
+    with pytest.raises(MoleculeError, match="built-in molecules are in Angstrom"):
+        get_molecule("h2", unit="bohr")
+    with pytest.raises(MoleculeError, match="--unit 'nm'"):
+        get_molecule(atom="H 0 0 0; H 0 0 1", unit="nm")
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("", r"w.xyz:1: expected the number of atoms on the first line, got an empty line"),
+        ("two\nc\nH 0 0 0\nH 0 0 1\n", r"w.xyz:1: expected the number of atoms on the first line, got 'two'"),
+        ("0\nc\n", r"w.xyz:1: the number of atoms must be >= 1"),
+        ("2\n", r"w.xyz:2: missing the comment line"),
+        ("2\nc\nH 0 0 0\n", r"w.xyz:4: file ends after 1 atoms, but line 1 says 2"),
+        ("2\nc\nH 0 0 0\nH 0 0\n", r"w.xyz:4: 'H 0 0' must be 'Element x y z' \(4 fields, got 3\)"),
+        ("2\nc\nH 0 0 0\nQ 0 0 1\n", r"w.xyz:4: 'Q 0 0 1': unknown element 'Q'"),
+        ("2\nc\nH 0 0 0\nH 0 0 one\n", r"w.xyz:4: 'H 0 0 one': coordinates must be numbers"),
+        ("2\nc\nH 0 0 0\nH 0 0 inf\n", r"w.xyz:4: .*must be finite"),
+        ("1\nc\nH 0 0 0\nH 0 0 1\n", r"w.xyz:4: more atom lines than the 1 announced on line 1"),
+        ("2\nc\nH 0 0 0\nH 0 0 0.05\n", r"w.xyz: atoms 1 \(H\) and 2 \(H\) are 0.05 A apart"),
+    ],
+)
+def test_malformed_xyz_names_file_and_line(tmp_path, text, match):
+    (tmp_path / "w.xyz").write_text(text)
+    with pytest.raises(MoleculeError, match=match):
+        read_xyz(tmp_path / "w.xyz")
+
+
+def test_unreadable_xyz_is_a_clear_error(tmp_path):
+    with pytest.raises(MoleculeError, match="--xyz .*missing.xyz: cannot read it"):
+        get_molecule(xyz=tmp_path / "missing.xyz")
+    (tmp_path / "bin.xyz").write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(MoleculeError, match="bin.xyz: not a text file"):
+        read_xyz(tmp_path / "bin.xyz")
+    with pytest.raises(MoleculeError, match="exactly one of --molecule NAME, --atom .* or --xyz FILE"):
+        get_molecule("h2", xyz=tmp_path / "bin.xyz")

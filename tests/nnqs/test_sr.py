@@ -6,7 +6,8 @@ import torch
 from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
 from seqlab.nnqs.local_energy import PsiTable, local_energy
 from seqlab.nnqs.space import all_configurations, tokens_to_keys
-from seqlab.nnqs.vmc import _sr_direction, make_evaluator
+from seqlab.nnqs.sr import sr_direction
+from seqlab.nnqs.vmc import make_evaluator
 
 
 def _per_sample_jacobian(wf, tokens, params):
@@ -38,7 +39,7 @@ def test_sr_direction_solves_the_parameter_space_equation_and_descends(system):
     shift = 1e-2
 
     wf.zero_grad(set_to_none=True)
-    _sr_direction(wf, tokens, w, eloc, energy, shift)
+    sr_direction(wf, tokens, w, eloc, energy, shift)
     delta = torch.cat([p.grad.flatten().double() for p in params])
 
     # the same update from the P x P equation (S + lambda) delta = F, built explicitly

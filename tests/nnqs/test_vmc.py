@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from seqlab.cli import nnqs as cli_nnqs
-from seqlab.nnqs.vmc import VMCConfig, lr_at, run_vmc
+from seqlab.nnqs.molecules import BOHR_IN_ANGSTROM
+from seqlab.nnqs.driver import run_vmc
+from seqlab.nnqs.vmc import VMCConfig, lr_at
 
 CHEMICAL_ACCURACY_MHA = 1.6
 
@@ -37,10 +39,48 @@ def test_vmc_h2_reaches_chemical_accuracy_and_writes_result(tmp_path, capsys):
     lines = (tmp_path / "energies.jsonl").read_text().splitlines()
     assert len(lines) == 100 and json.loads(lines[-1])["step"] == 99
     assert (tmp_path / "convergence.png").stat().st_size > 1000
-    assert (tmp_path / "checkpoint" / "model.safetensors").exists()
+    assert (tmp_path / "error.png").stat().st_size > 1000
+    assert (tmp_path / "checkpoints" / "step_00000100" / "model.safetensors").exists()
+    assert (tmp_path / "checkpoints" / "step_00000100" / "optimizer.safetensors").exists()
+    assert r["e_ccsd_t_error_mha"] == pytest.approx((r["e_ccsd_t"] - r["e_fci"]) * 1000, abs=1e-9)
     table = capsys.readouterr().out
     for name in ("HF", "CCSD", "CCSD(T)", "FCI", "NNQS", "wall time"):
         assert name in table
+
+
+def test_cli_reads_an_xyz_file_in_bohr_and_mirrors_to_tensorboard(tmp_path, system):
+    """--xyz in Bohr is the built-in H2; --tensorboard holds the same per-step energies as energies.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    d = 0.734 / BOHR_IN_ANGSTROM
+    (tmp_path / "h2.xyz").write_text(f"2\nH2 in Bohr\nH 0 0 0\nH 0 0 {d!r}\n")
+    out, tb = tmp_path / "run", tmp_path / "tb"
+    assert _cli(["--xyz", str(tmp_path / "h2.xyz"), "--unit", "bohr", "--steps", "3", "--out", str(out), "--quiet",
+                 "--tensorboard", str(tb)]) == 0
+    r = json.loads((out / "result.json").read_text())
+    assert (r["molecule"], r["unit"], r["n_electrons"]) == ("H2", "bohr", 2)
+    assert abs(r["e_hf"] - system("h2").references.e_hf) < 1e-9  # the built-in H2, given in Angstrom
+    rows = [json.loads(x) for x in (out / "energies.jsonl").read_text().splitlines()]
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    events = acc.Scalars("energy")
+    assert [e.step for e in events] == [0, 1, 2]
+    assert [e.value for e in events] == pytest.approx([row["energy"] for row in rows], rel=1e-6)  # float32 there
+    assert {"error_mha", "lr", "temperature"} <= set(acc.Tags()["scalars"])
+
+
+def test_cli_refuses_an_existing_run_unless_resumed_or_moved_aside(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["--molecule", "h2", "--steps", "2", "--out", str(out), "--quiet", "--no-cc"]
+    assert _cli(argv) == 0
+    first = (out / "energies.jsonl").read_text()
+    with pytest.raises(ValueError, match="already holds a run"):
+        _cli(argv)
+    assert _cli([*argv, "--overwrite"]) == 0
+    (old,) = tmp_path.glob("run.old-*")
+    assert (old / "energies.jsonl").read_text() == first and (old / "checkpoints" / "step_00000002").is_dir()
+    assert len((out / "energies.jsonl").read_text().splitlines()) == 2
+    assert "moved to" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -78,7 +118,8 @@ def test_resume_after_crash_matches_uninterrupted_run(tmp_path, system):
 
     with pytest.raises(_Crash):
         run_vmc(ham, cfg, out=tmp_path / "b", callback=crash)
-    assert json.loads((tmp_path / "b" / "checkpoint" / "state.json").read_text())["step"] == 3
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["step_00000003"]
+    assert json.loads((tmp_path / "b" / "checkpoints" / "step_00000003" / "state.json").read_text())["step"] == 3
     resumed = run_vmc(ham, cfg, out=tmp_path / "b", resume=True)
     assert [r["energy"] for r in resumed.records] == [r["energy"] for r in full.records]
     lines = (tmp_path / "b" / "energies.jsonl").read_text().splitlines()

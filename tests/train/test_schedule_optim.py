@@ -1,7 +1,6 @@
 import math
 
 import pytest
-import torch
 
 from seqlab.train import TrainConfig, TrainConfigError
 from seqlab.train.optim import build_optimizer, param_groups

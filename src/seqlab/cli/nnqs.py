@@ -1,6 +1,7 @@
 """``seqlab nnqs``: solve a molecule with the autoregressive Transformer wavefunction (VMC), next to PySCF's
-HF / CCSD / CCSD(T) / FCI on the same orbitals. Writes DIR/result.json, DIR/energies.jsonl, DIR/convergence.png
-and DIR/checkpoint/. Runs under ``torchrun --nproc-per-node N -m seqlab.cli.nnqs ...`` as well (gloo)."""
+HF / CCSD / CCSD(T) / FCI on the same orbitals. Writes DIR/result.json, DIR/energies.jsonl, DIR/convergence.png,
+DIR/error.png and DIR/checkpoints/. The first SIGINT/SIGTERM finishes the step, checkpoints it and exits (resume
+with --resume); a second SIGINT exits at once. Runs under ``torchrun --nproc-per-node N -m seqlab.cli.nnqs ...`` as well (gloo)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,19 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+from seqlab.nnqs.ansatz import AnsatzConfig
+from seqlab.nnqs.driver import RunResult, run_vmc
+from seqlab.nnqs.molecules import UNITS, get_molecule
+from seqlab.nnqs.references import prepare
+from seqlab.nnqs.sampler import SamplerConfig
+from seqlab.nnqs.vmc import HARTREE_TO_MHA, VMCConfig
+from seqlab.nnqs.vmc_checkpoint import check_new_run, move_aside
+from seqlab.runtime import atomic_write_text, progress as progress_bar
+from seqlab.runtime.dist import barrier, init_distributed, set_cpu_threads, shutdown
+from seqlab.runtime.files import ensure_writable_dir
+from seqlab.runtime.signals import GracefulStop
 
 EPILOG = """\
 Expected run time with the defaults (measured on 2 shared CPU cores, 1 thread; see docs/nnqs.md):
@@ -34,7 +48,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     mol = p.add_mutually_exclusive_group(required=True)
     mol.add_argument("--molecule", help="built-in molecule: h2, lih, h2o, nh3, n2, c2 (geometries of Choo et al.)")
-    mol.add_argument("--atom", help='geometry in Angstrom, "El x y z; El x y z; ..."')
+    mol.add_argument("--atom", help='geometry, "El x y z; El x y z; ..." (in --unit, default Angstrom)')
+    mol.add_argument("--xyz", metavar="FILE", help="geometry from a standard .xyz file (count, comment, El x y z)")
+    p.add_argument("--unit", choices=UNITS, default=None,
+                   help="unit of --atom / --xyz coordinates (default angstrom, the .xyz convention)")
     p.add_argument("--basis", default="sto-3g")
     p.add_argument("--charge", type=int, default=None)
     p.add_argument("--spin", type=int, default=None, help="2S = N_alpha - N_beta (default 0)")
@@ -44,19 +61,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local-energy", choices=("exact", "sample-space"), default="exact",
                    help="exact (unbiased) or the sample-space approximation of NNQS-Transformer/NAQS (biased)")
     p.add_argument("--lr", type=float, default=5e-3, help="peak AdamW learning rate (warmup, cosine decay)")
-    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=20, help="linear warmup steps (>= 0)")
     p.add_argument("--anneal", type=float, default=0.07,
-                   help="entropy annealing strength (fraction of the diagonal energy spread); 0 disables")
+                   help="entropy annealing strength (fraction of the diagonal energy spread, >= 0); 0 disables")
     p.add_argument("--sr", action="store_true", help="stochastic reconfiguration (minSR; slow, small systems)")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--no-cache", action="store_true", help="sample without the KV cache (recompute prefixes)")
-    p.add_argument("--max-batch", type=int, default=65536, help="unique prefixes per sampling chunk")
+    p.add_argument("--max-batch", type=int, default=65536, help="unique prefixes per sampling chunk (>= 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output folder (default runs/nnqs-<molecule>)")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint if present")
-    p.add_argument("--checkpoint-every", type=int, default=100)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT if there is one")
+    p.add_argument("--overwrite", action="store_true",
+                   help="OUT holds a run: move it aside to OUT.old-<time> and start a new one")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (>= 1)")
+    p.add_argument("--tensorboard", metavar="DIR", default=None,
+                   help="also write the per-step metrics as TensorBoard event files into DIR")
     p.add_argument("--no-cc", action="store_true", help="skip CCSD/CCSD(T) references")
     p.add_argument("--no-fci", action="store_true", help="skip the FCI reference")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per process")
@@ -76,7 +97,7 @@ def final_table(result: dict) -> str:
              f"{result['n_spin_orbitals']} spin orbitals, {result['n_configurations']} determinants)",
              f"{'method':<10}{'energy (Ha)':>22}{'- FCI (mHa)':>14}"]
     for name, e in rows:
-        d = "" if e is None or fci is None else f"{(e - fci) * 1000:14.3f}"
+        d = "" if e is None or fci is None else f"{(e - fci) * HARTREE_TO_MHA:14.3f}"
         lines.append(f"{name:<10}{_fmt(e):>22}{d}")
     e, sd = result["energy"], result["energy_std"]
     nn = f"{e:.6f} ± {sd:.6f}" if sd else f"{e:.6f} (exact)"
@@ -90,24 +111,64 @@ def final_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from seqlab.nnqs.ansatz import AnsatzConfig
-    from seqlab.nnqs.distributed import init_from_env
-    from seqlab.nnqs.molecules import get_molecule, prepare
-    from seqlab.nnqs.sampler import SamplerConfig
-    from seqlab.nnqs.vmc import HARTREE_TO_MHA, VMCConfig, atomic_write_text, run_vmc
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    samples = int(args.samples)
+def check_flags(args: argparse.Namespace) -> int:
+    """Refuse impossible numbers before any work starts; returns N_s as an integer."""
+    samples = int(args.samples) if args.samples == args.samples and abs(args.samples) != float("inf") else 0
     if samples != args.samples or samples < 1:
-        raise ValueError(f"--samples must be a positive integer, got {args.samples}")
-    mol = get_molecule(args.molecule, args.atom, args.basis, args.charge, args.spin)
-    dist = init_from_env()
-    out = args.out or os.path.join("runs", f"nnqs-{mol.name.lower()}")
+        raise ValueError(f"--samples must be a positive integer, got {args.samples:g}")
+    for flag, value, low in (("--warmup", args.warmup, 0), ("--anneal", args.anneal, 0), ("--steps", args.steps, 1),
+                             ("--max-batch", args.max_batch, 1), ("--checkpoint-every", args.checkpoint_every, 1),
+                             ("--threads", args.threads, 1)):
+        if value is not None and not value >= low:  # `not >=` also catches NaN
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    return samples
+
+
+def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, ansatz: AnsatzConfig,
+                  world_size: int, wall_s: float, t_ref: float) -> dict:
+    """result.json: the run's inputs, the NNQS energy and every reference on the same orbitals."""
+    fin = res.final
+
+    def error_mha(e: float | None) -> float | None:
+        return None if e is None or refs.e_fci is None else (e - refs.e_fci) * HARTREE_TO_MHA
+
+    return {
+        "molecule": mol.name, "atom": mol.atom_string(), "unit": mol.unit, "basis": mol.basis,
+        "charge": mol.charge, "spin": mol.spin, "n_spin_orbitals": ham.n_so, "n_electrons": mol.n_electrons,
+        "n_alpha": mol.n_alpha, "n_beta": mol.n_beta, "n_configurations": fin["n_configurations"],
+        "energy": fin["energy"], "energy_std": fin["energy_std"], "energy_variance": fin["variance"],
+        "final_eval": fin["final_eval"], "final_eval_samples": fin["final_eval_samples"],
+        "e_hf": refs.e_hf, "e_ccsd": refs.e_ccsd, "e_ccsd_t": refs.e_ccsd_t, "e_fci": refs.e_fci,
+        "e_fci_sector": refs.e_fci_sector,
+        "error_mha": error_mha(fin["energy"]), "e_ccsd_t_error_mha": error_mha(refs.e_ccsd_t),
+        "steps": args.steps, "samples": samples, "local_energy": args.local_energy, "seed": args.seed,
+        "world_size": world_size, "n_parameters": sum(p.numel() for p in res.wavefunction.parameters()),
+        "ansatz": ansatz.__dict__, "lr": args.lr, "anneal": args.anneal, "sr": args.sr,
+        "kv_cache": not args.no_cache, "wall_time_s": wall_s, "vmc_time_s": res.wall_time_s,
+        "reference_time_s": t_ref, "notes": refs.notes,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    samples = check_flags(args)
+    mol = get_molecule(args.molecule, args.atom, args.basis, args.charge, args.spin, xyz=args.xyz, unit=args.unit)
+    out = Path(args.out or os.path.join("runs", f"nnqs-{mol.name.lower()}"))
+    if args.resume and args.overwrite:
+        raise ValueError("--resume and --overwrite contradict each other: continue the run in --out, or replace it")
+    ensure_writable_dir(out, "--out")
+    if args.tensorboard:
+        ensure_writable_dir(args.tensorboard, "--tensorboard")
+    if not args.overwrite:  # (with --overwrite the main rank moves an old run aside below)
+        check_new_run(out, args.resume)
+    dist = init_distributed(backend="gloo", device="cpu")  # seqlab.nnqs runs on CPU
+    set_cpu_threads(args.threads, dist)
     try:
+        if args.overwrite and dist.is_main and (moved := move_aside(out)) is not None:
+            ensure_writable_dir(out, "--out")
+            print(f"[seqlab] --overwrite: the previous run in {out} was moved to {moved}", file=sys.stderr)
+        barrier(dist)  # no rank looks at --out before an old run has left it
         t0 = time.perf_counter()
         system = prepare(mol, fci=not args.no_fci, cc=not args.no_cc)
         t_ref = time.perf_counter() - t0
@@ -117,58 +178,44 @@ def run(args: argparse.Namespace) -> int:
                         checkpoint_every=args.checkpoint_every,
                         sampler=SamplerConfig(use_cache=not args.no_cache, max_batch=args.max_batch))
         ansatz = AnsatzConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
-        bar = None
-        if dist.is_main and not args.quiet:
-            from tqdm import tqdm
+        bar = progress_bar(total=args.steps, desc=f"nnqs {mol.name}", unit="step",
+                           enabled=dist.is_main and not args.quiet)
+        for note in refs.notes if dist.is_main and not args.quiet else ():
+            bar.write(f"note: {note}")
 
-            bar = tqdm(total=args.steps, desc=f"nnqs {mol.name}", unit="step", dynamic_ncols=True)
-            for note in refs.notes:
-                tqdm.write(f"note: {note}")
-
-        def progress(st) -> None:
-            if bar is None:
-                return
+        def show(st) -> None:
             post = {"E": f"{st.energy:.6f}", "σ": f"{st.energy_std * HARTREE_TO_MHA:.3f}mHa", "U": st.n_unique}
             if refs.e_fci is not None:
                 post["ΔFCI"] = f"{(st.energy - refs.e_fci) * HARTREE_TO_MHA:.2f}mHa"
             bar.set_postfix(post, refresh=False)
             bar.update(1)
 
-        res = run_vmc(ham, cfg, ansatz, out, dist, e_ref=refs.e_fci, resume=args.resume, callback=progress,
-                      title=f"{mol.name} / {mol.basis}")
-        if bar is not None:
-            bar.close()
+        levels = {"HF": refs.e_hf, "CCSD(T)": refs.e_ccsd_t, "FCI": refs.e_fci}
+        with bar, GracefulStop() as stop:
+            res = run_vmc(ham, cfg, ansatz, out, dist, e_ref=refs.e_fci, resume=args.resume, callback=show,
+                          title=f"{mol.name} / {mol.basis}", references=levels, tensorboard=args.tensorboard,
+                          stop=stop)
+        if res.stopped_at is not None:
+            return stopped(res, out, stop, dist.is_main)
         if not dist.is_main:
             return 0
-        fin = res.final
-        result = {
-            "molecule": mol.name, "atom": mol.atom_string(), "basis": mol.basis, "charge": mol.charge,
-            "spin": mol.spin, "n_spin_orbitals": ham.n_so, "n_electrons": mol.n_electrons,
-            "n_alpha": mol.n_alpha, "n_beta": mol.n_beta, "n_configurations": fin["n_configurations"],
-            "energy": fin["energy"], "energy_std": fin["energy_std"], "energy_variance": fin["variance"],
-            "final_eval": fin["final_eval"], "final_eval_samples": fin["final_eval_samples"],
-            "e_hf": refs.e_hf, "e_ccsd": refs.e_ccsd, "e_ccsd_t": refs.e_ccsd_t, "e_fci": refs.e_fci,
-            "e_fci_sector": refs.e_fci_sector,
-            "error_mha": None if refs.e_fci is None else (fin["energy"] - refs.e_fci) * HARTREE_TO_MHA,
-            "steps": args.steps, "samples": samples, "local_energy": args.local_energy, "seed": args.seed,
-            "world_size": dist.world_size, "n_parameters": sum(p.numel() for p in res.wavefunction.parameters()),
-            "ansatz": ansatz.__dict__, "lr": args.lr, "anneal": args.anneal, "sr": args.sr,
-            "kv_cache": not args.no_cache, "wall_time_s": time.perf_counter() - t0, "vmc_time_s": res.wall_time_s,
-            "reference_time_s": t_ref,
-            "notes": refs.notes,
-        }
-        atomic_write_text(_p(out, "result.json"), json.dumps(result, indent=2) + "\n")
+        result = result_record(args, mol, ham, refs, res, samples, ansatz, dist.world_size,
+                               time.perf_counter() - t0, t_ref)
+        atomic_write_text(out / "result.json", json.dumps(result, indent=2) + "\n")
         print(final_table(result))
-        print(f"wrote {_p(out, 'result.json')}, {_p(out, 'energies.jsonl')}, {_p(out, 'convergence.png')}")
+        print(f"wrote {out / 'result.json'}, {out / 'energies.jsonl'}, {out / 'convergence.png'}"
+              + (f", {out / 'error.png'}" if refs.e_fci is not None else ""))
         return 0
     finally:
-        dist.close()
+        shutdown(dist)
 
 
-def _p(out, name):
-    from pathlib import Path
-
-    return Path(out) / name
+def stopped(res: RunResult, out: Path, stop: GracefulStop, is_main: bool) -> int:
+    """After a signal: say where the checkpoint is and how to continue; exit 128 + the signal's number."""
+    if is_main:
+        print(f"stopped after step {res.stopped_at}: checkpoint {res.checkpoint}; continue with the same command "
+              f"and --resume", file=sys.stderr)
+    return stop.exit_code
 
 
 if __name__ == "__main__":  # python -m seqlab.cli.nnqs ... (same as `seqlab nnqs ...`)

@@ -3,22 +3,37 @@
     seqlab train --objective clm --preset small --out runs/clm            # embedded Shakespeare, BPE
     seqlab train --objective sft --data chats.jsonl --out runs/sft --max-steps 500
     seqlab train --out runs/clm --resume                                  # continue from the latest checkpoint
+    seqlab train --out runs/clm --overwrite ...                           # move the old run aside, start anew
     torchrun --nproc_per_node 2 -m seqlab train --out runs/ddp ...        # DDP (gloo on CPU)
     seqlab eval runs/clm                                                  # loss, perplexity, bits per byte
     seqlab demo --out runs/demo                                           # what `make demo` runs
 
 Every training option defaults to "not given": with ``--resume`` the run's saved configuration is reused and
 only the options given on the command line change (those that would break exact resumption are refused).
+The first SIGINT or SIGTERM finishes the step, writes a checkpoint and exits with 128 + the signal's number
+(130 or 143, as a shell reports death by that signal, so schedulers see the run did not finish); a second
+SIGINT exits at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
-OBJECTIVES = ("clm", "mlm", "seq2seq", "sft", "dpo")
+from seqlab.io.checkpoint import load_pretrained
+from seqlab.objectives import OBJECTIVES
+from seqlab.runtime.dist import resolve_device
+from seqlab.runtime.files import atomic_write_text, check_writable_file, ensure_writable_dir
+from seqlab.train.config import TrainConfig, read_run_config
+from seqlab.train.demo import run_demo as demo
+from seqlab.train.evaluate import evaluate_checkpoint
+from seqlab.train.run import build_run
+from seqlab.train.rundir import claim_run_dir
+from seqlab.train.trainer import Trainer
 
 # (flag, TrainConfig field, type, help)
 _TRAIN_OPTIONS = [
@@ -66,11 +81,16 @@ def _key_value(text: str) -> tuple[str, object]:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model with one of the objectives",
-                       description="Train clm | mlm | seq2seq | sft | dpo. Writes OUT/metrics.jsonl, "
+                       description=f"Train {' | '.join(OBJECTIVES)}. Writes OUT/metrics.jsonl, "
                                    "OUT/checkpoints/step_*/ and OUT/loss_curve.png.")
-    p.add_argument("--objective", choices=OBJECTIVES, default=None, help="training objective (default clm)")
+    p.add_argument("--objective", choices=list(OBJECTIVES), default=None,
+                   help=f"training objective (default {TrainConfig.objective})")
     p.add_argument("--out", required=True, help="run directory")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT")
+    p.add_argument("--overwrite", action="store_true",
+                   help="OUT already holds a run: move it to OUT.old-<time> and start a new one")
+    p.add_argument("--tensorboard", metavar="DIR", default=None,
+                   help="also write the metrics as TensorBoard events to DIR (needs the tensorboard package)")
     for flag, dest, typ, hlp in _TRAIN_OPTIONS:
         p.add_argument(flag, dest=dest, type=typ, default=None, help=hlp)
     p.add_argument("--model", dest="model", type=_key_value, action="append", default=None, metavar="KEY=VALUE",
@@ -96,6 +116,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--device", default="cpu")
     e.add_argument("--precision", default="fp32", help="fp32 | bf16 | auto")
     e.add_argument("--json", dest="json_out", default=None, help="also write the results to this JSON file")
+    e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     e.add_argument("--debug", action="store_true")
     e.set_defaults(func=run_eval)
 
@@ -125,59 +146,69 @@ def _given(args: argparse.Namespace) -> dict:
     return out
 
 
-def make_config(args: argparse.Namespace):
+def make_config(args: argparse.Namespace) -> TrainConfig:
     """TrainConfig from the command line; with --resume, from OUT/config.json updated by the given options."""
-    from seqlab.train.config import TrainConfig
-
     given = _given(args)
-    saved = Path(args.out) / "config.json"
-    if args.resume and saved.is_file():
-        base = json.loads(saved.read_text())["train"]
+    if args.resume and (Path(args.out) / "config.json").is_file():
+        base = read_run_config(args.out)
         base.update(given)
         base["out_dir"] = args.out
         return TrainConfig.from_dict(base)
     return TrainConfig(out_dir=args.out, **given)
 
 
-def run_train(args: argparse.Namespace) -> int:
-    from seqlab.train.run import build_run
-    from seqlab.train.trainer import Trainer
+def _load_model_folder(path: Path) -> dict:
+    return load_pretrained(path).state_dict()
 
+
+def run_train(args: argparse.Namespace) -> int:
+    if args.resume and args.overwrite:
+        raise ValueError("--resume and --overwrite contradict each other: continue the run in --out, or replace it")
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    if args.resume:
+        ensure_writable_dir(args.out, "--out")
+    elif main_rank:
+        moved = claim_run_dir(args.out, overwrite=args.overwrite)
+        if moved is not None:
+            print(f"[seqlab] --overwrite: the previous run in {args.out} was moved to {moved}")
     cfg = make_config(args)
-    run = build_run(cfg)
+    resolve_device(cfg.device)  # a missing GPU fails now, not after the data is built
+    run = build_run(cfg, resume=args.resume, load_folder=_load_model_folder)
     trainer = Trainer(cfg, run.model, run.objective, run.train_data, run.val_data, tokenizer=run.tokenizer,
-                      resume=args.resume)
+                      resume=args.resume, tensorboard_dir=args.tensorboard)
     try:
         result = trainer.fit()
     finally:
         trainer.close()
     if trainer.dist.is_main:
         ev = " ".join(f"{k}={v:.4g}" for k, v in result.eval.items() if isinstance(v, float))
-        print(f"[seqlab] step {result.step} loss {result.loss:.4f} {ev} "
+        loss = f"{result.loss:.4f}" if result.loss is not None else "n/a"
+        print(f"[seqlab] step {result.step} loss {loss} {ev} "
               f"({result.tokens_seen:,} tokens in {result.train_seconds:.1f} s) -> {result.checkpoint}")
+    if result.signal is not None:
+        print(f"[seqlab] stopped by {signal.Signals(result.signal).name} at step {result.step}; continue with "
+              f"seqlab train --out {args.out} --resume", file=sys.stderr)
+        return 128 + result.signal
     return 0
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from seqlab.train.evaluate import evaluate_checkpoint
-
+    if args.json_out:
+        check_writable_file(args.json_out, "--json")  # before the evaluation, which can take minutes
     res = evaluate_checkpoint(args.checkpoint, data=args.data, split=args.split, batch_size=args.batch_size,
-                              max_batches=args.max_batches, device=args.device, precision=args.precision)
+                              max_batches=args.max_batches, device=args.device, precision=args.precision,
+                              show_progress=args.progress)
     for k in ("loss", "perplexity", "bits_per_token", "bits_per_byte", "n_targets", "n_bytes"):
         if k in res:
             v = res[k]
             print(f"{k:>15}: {v:.4f}" if isinstance(v, float) else f"{k:>15}: {v}")
     print(f"{'checkpoint':>15}: {res['checkpoint']} ({res['objective']}, {res['data']}, split={res['split']})")
     if args.json_out:
-        from seqlab.train.checkpoint import atomic_write_text
-
         atomic_write_text(Path(args.json_out), json.dumps(res, indent=2) + "\n")
     return 0
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from seqlab.train.demo import run_demo as demo
-
     overrides = {k: v for k, v in (("preset", args.preset), ("num_threads", args.num_threads),
                                    ("precision", args.precision)) if v is not None}
     s = demo(out_dir=args.out, train_seconds=args.time, seed=args.seed, samples=args.samples,

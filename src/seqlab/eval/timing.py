@@ -1,18 +1,13 @@
 """Timing and memory probes: wall clocks that respect asynchronous devices, and per-request peak memory.
 
-Why a module of its own: the generation engine, the benchmarks and the trainer all want the same three numbers
-(elapsed seconds, peak memory, bytes held by some tensors) and they are easy to get subtly wrong — a CUDA clock
-read without a synchronize measures the launch, not the work; ``ru_maxrss`` is a process-lifetime high-water mark
-that never goes down, so on CPU we reset the kernel's peak-RSS counter (``/proc/self/clear_refs``) at the start of
-a measurement when the kernel lets us.
+Both are easy to get subtly wrong: a CUDA clock read without a synchronize measures the launch, not the work, and
+``ru_maxrss`` is a process-lifetime high-water mark, so on CPU the kernel's peak-RSS counter is reset
+(``/proc/self/clear_refs``) at the start of a measurement when the kernel allows it.
 """
 from __future__ import annotations
 
-import os
 import resource
 import time
-from collections.abc import Iterable
-
 import torch
 
 
@@ -67,15 +62,6 @@ def peak_memory_bytes(device: torch.device | str | None = None) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def current_rss_bytes() -> int:
-    rss = _read_status_kib("VmRSS")
-    return (rss or 0) * 1024
-
-
-def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 class Stopwatch:
     """Named laps on one device clock: ``sw.lap("prefill")`` returns seconds since the previous lap."""
 
@@ -95,7 +81,3 @@ class Stopwatch:
     @property
     def total(self) -> float:
         return self.last - self.start
-
-
-def cpu_threads() -> int:
-    return torch.get_num_threads() or os.cpu_count() or 1

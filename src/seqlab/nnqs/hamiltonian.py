@@ -69,12 +69,6 @@ class Hamiltonian:
         self._Gs = torch.einsum("ajij->aij", self.g).reshape(N * N, N).contiguous()
         self._gflat = self.g.reshape(-1)
 
-    @classmethod
-    def from_scf(cls, mf, **kw) -> "Hamiltonian":
-        h1, eri, e_nuc = mo_integrals(mf)
-        na, nb = mf.mol.nelec
-        return cls(h1, eri, e_nuc, na, nb, **kw)
-
     # --- excitation templates ------------------------------------------------------------------------------
     @cached_property
     def _templates(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -168,7 +162,7 @@ class Hamiltonian:
 
 def mo_integrals(mf) -> tuple[np.ndarray, np.ndarray, float]:
     """(h1, eri, e_nuc) in the MO basis of a converged PySCF RHF/ROHF: h1 [n,n], eri [n,n,n,n] as (pq|rs)."""
-    from pyscf import ao2mo
+    from pyscf import ao2mo  # optional heavy dependency (the nnqs extra)
 
     C = mf.mo_coeff
     if isinstance(C, tuple) or np.ndim(C) != 2:

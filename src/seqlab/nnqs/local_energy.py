@@ -15,14 +15,14 @@ Values are complex128: log psi = 1/2 log P + i phi, and psi(x')/psi(x) = exp(log
 **Sector fast path** (``SectorHamiltonian``; still the *exact* local energy, no approximation). When the whole
 particle-number sector (every configuration with the right N_alpha, N_beta) is small — N2 in STO-3G has 14 400 —
 H restricted to it is built once per run as a sparse CSR matrix (Slater–Condon, with the same vectorised
-``Hamiltonian.connected`` enumeration; at most N_conf x n_connected nonzeros, ~12 bytes each: 1.9 M, 22 MiB for
-N2). A step then evaluates log psi on *all* sector configurations without gradients (one walk of the whole prefix
+``Hamiltonian.connected`` enumeration; at most N_conf x n_connected nonzeros of about 12 bytes each; sizes and
+timings in docs/nnqs.md). A step then evaluates log psi on *all* sector configurations without gradients (one walk of the whole prefix
 tree on the KV cache, ``sampler.enumerate_log_prob``) and reads E_loc off the sampled rows of H psi. That replaces,
-every step, the per-sample enumeration of ~600 excitations, the sorted-key lookups of their keys and the flat
-forwards on missing ones by one cached forward of fixed size plus a sparse product over the sampled rows. It pays
-off as soon as the samples' neighbourhoods cover a sizeable part of the sector (for N2 those of ~800 samples
-already cover most of it; early VMC steps and the annealing phase sample broadly) and it costs a forward over the
-whole sector per step, hence the size threshold (``VMCConfig.sector_max``).
+every step, the per-sample enumeration of every single and double excitation, the sorted-key lookups of their keys
+and the flat forwards on missing ones by one cached forward of fixed size plus a sparse product over the sampled
+rows. It pays off as soon as the samples' neighbourhoods cover a sizeable part of the sector (a few hundred samples
+of N2 already do; early VMC steps and the annealing phase sample broadly) and it costs a forward over the whole
+sector per step, hence the size threshold (``VMCConfig.sector_max``).
 Scaling: each row is divided by its own psi(x) in log space, ratio exp(log psi(x') - log psi(x)), instead of
 exponentiating log psi globally: a sampled x has non-negligible probability, so no ratio can overflow, and ratios
 that underflow to zero belong to configurations that contribute below round-off.
@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from seqlab import runtime
 from seqlab.nnqs.hamiltonian import Hamiltonian
 from seqlab.nnqs.space import all_configurations, tokens_to_keys
 
@@ -124,15 +125,14 @@ class SectorHamiltonian:
     """
 
     def __init__(self, ham: Hamiltonian, max_elements: int = 1 << 21, progress: bool = True):
-        from scipy import sparse
-        from tqdm.auto import tqdm
+        from scipy import sparse  # optional heavy dependency (the nnqs extra), needed only for the sector path
 
         self.tokens = all_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)
         self.keys = tokens_to_keys(self.tokens)
         D = len(self.keys)
         chunk = max(1, max_elements // max(1, ham.n_connected))
         counts, indices, data = [], [], []
-        with tqdm(total=D, desc="sector H", unit="conf", delay=2.0, disable=not progress) as bar:
+        with runtime.progress(total=D, desc="sector H", unit="conf", delay=2.0, enabled=progress) as bar:
             for start in range(0, D, chunk):
                 c = ham.connected(self.keys[start : start + chunk])
                 B = len(c.diagonal)

@@ -1,19 +1,15 @@
-"""Molecules: built-in geometries, ``--atom`` parsing, PySCF mean field and the reference energies.
+"""Molecules as the user gives them: built-in geometries, ``--atom`` strings and ``.xyz`` files, in Angstrom or Bohr.
 
 Built-in geometries are those of Choo et al., "Fermionic neural-network states for ab-initio electronic
 structure" (Nat. Commun. 2020), in Angstrom, STO-3G, so NNQS numbers can be compared with the literature.
-
-References come from PySCF on the *same* molecular orbitals the Hamiltonian is built from: HF, CCSD, CCSD(T) and FCI.
-FCI asks for several roots because Davidson can land on an excited state (C2 is the classic case) and because the
-determinant space with fixed (N_alpha, N_beta) also holds higher-spin states; the reference is the lowest root whose
-<S^2> matches the requested spin.
+Nothing here touches PySCF: every input error is found (and named by flag, file and line) before any SCF runs.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -31,7 +27,12 @@ _ELEMENTS = (
     "H He Li Be B C N O F Ne Na Mg Al Si P S Cl Ar K Ca Sc Ti V Cr Mn Fe Co Ni Cu Zn Ga Ge As Se Br Kr".split()
 )
 Z_OF = {sym: z for z, sym in enumerate(_ELEMENTS, start=1)}
-MIN_DISTANCE = 0.1  # Angstrom; closer nuclei are a typo, not a molecule
+UNITS = ("angstrom", "bohr")
+BOHR_IN_ANGSTROM = 0.52917721092  # PySCF's value (pyscf.data.nist.BOHR)
+MIN_DISTANCE = 0.1  # Angstrom; closer nuclei are a typo (or the wrong unit), not a molecule
+_UNIT_ABBREV = {"angstrom": "A", "bohr": "bohr"}
+
+Atom = tuple[str, tuple[float, float, float]]
 
 
 class MoleculeError(ValueError):
@@ -40,13 +41,14 @@ class MoleculeError(ValueError):
 
 @dataclass
 class Molecule:
-    """A molecule as the user asked for it (before any PySCF object exists)."""
+    """A molecule as the user asked for it (before any PySCF object exists); coordinates are in ``unit``."""
 
     name: str
-    atoms: list[tuple[str, tuple[float, float, float]]]
+    atoms: list[Atom]
     basis: str = "sto-3g"
     charge: int = 0
     spin: int = 0  # 2S = N_alpha - N_beta, PySCF's convention
+    unit: str = "angstrom"
 
     @property
     def n_electrons(self) -> int:
@@ -64,46 +66,106 @@ class Molecule:
         return "; ".join(f"{s} {x:.10g} {y:.10g} {z:.10g}" for s, (x, y, z) in self.atoms)
 
 
-def parse_atoms(text: str, source: str = "--atom") -> list[tuple[str, tuple[float, float, float]]]:
-    """Parse ``"El x y z; El x y z"`` (``;`` or newlines between atoms, Angstrom) with errors naming the atom."""
-    if not text or not text.strip():
-        raise MoleculeError(f"{source}: empty geometry; expected e.g. \"H 0 0 0; H 0 0 0.74\"")
-    atoms = []
-    entries = [e.strip() for e in text.replace("\n", ";").split(";")]
-    for n, entry in enumerate((e for e in entries if e), start=1):
-        fields = entry.replace(",", " ").split()
-        if len(fields) != 4:
-            raise MoleculeError(f"{source}: atom {n} {entry!r} must be 'Element x y z' (4 fields, got {len(fields)})")
-        sym = fields[0].capitalize()
-        if sym not in Z_OF:
-            raise MoleculeError(f"{source}: atom {n} {entry!r}: unknown element {fields[0]!r} (known: H..Kr)")
-        try:
-            xyz = tuple(float(v) for v in fields[1:])
-        except ValueError:
-            raise MoleculeError(f"{source}: atom {n} {entry!r}: coordinates must be numbers") from None
-        if not all(math.isfinite(v) for v in xyz):
-            raise MoleculeError(f"{source}: atom {n} {entry!r}: coordinates must be finite")
-        atoms.append((sym, xyz))
-    if not atoms:
-        raise MoleculeError(f"{source}: no atoms found in {text!r}")
+def check_unit(unit: str) -> str:
+    key = unit.lower()
+    if key not in UNITS:
+        raise MoleculeError(f"--unit {unit!r}: expected one of {', '.join(UNITS)}")
+    return key
+
+
+def parse_atom(entry: str, where: str) -> Atom:
+    """One ``El x y z`` entry (commas allowed between fields; the element by symbol or atomic number)."""
+    fields = entry.replace(",", " ").split()
+    if len(fields) != 4:
+        raise MoleculeError(f"{where} must be 'Element x y z' (4 fields, got {len(fields)})")
+    sym = fields[0].capitalize()
+    if sym.isdigit() and 1 <= int(sym) <= len(_ELEMENTS):
+        sym = _ELEMENTS[int(sym) - 1]
+    if sym not in Z_OF:
+        raise MoleculeError(f"{where}: unknown element {fields[0]!r} (known: H..Kr)")
+    try:
+        xyz = tuple(float(v) for v in fields[1:])
+    except ValueError:
+        raise MoleculeError(f"{where}: coordinates must be numbers") from None
+    if not all(math.isfinite(v) for v in xyz):
+        raise MoleculeError(f"{where}: coordinates must be finite")
+    return sym, xyz
+
+
+def check_distances(atoms: list[Atom], source: str, unit: str = "angstrom") -> None:
+    """Refuse nuclei closer than ``MIN_DISTANCE`` (a typo, or Bohr coordinates read as Angstrom's neighbour)."""
     pos = np.array([xyz for _, xyz in atoms])
+    limit = MIN_DISTANCE if unit == "angstrom" else MIN_DISTANCE / BOHR_IN_ANGSTROM
+    abbrev = _UNIT_ABBREV[unit]
     for i in range(len(atoms)):
         for j in range(i):
             d = float(np.linalg.norm(pos[i] - pos[j]))
-            if d < MIN_DISTANCE:
+            if d < limit:
                 raise MoleculeError(
-                    f"{source}: atoms {j + 1} ({atoms[j][0]}) and {i + 1} ({atoms[i][0]}) are {d:.3g} A apart "
-                    f"(< {MIN_DISTANCE} A); coordinates are in Angstrom"
+                    f"{source}: atoms {j + 1} ({atoms[j][0]}) and {i + 1} ({atoms[i][0]}) are {d:.3g} {abbrev} "
+                    f"apart (< {limit:.3g} {abbrev}); coordinates are in {unit.capitalize()}"
                 )
+
+
+def parse_atoms(text: str, source: str = "--atom", unit: str = "angstrom") -> list[Atom]:
+    """Parse ``"El x y z; El x y z"`` (``;`` or newlines between atoms) with errors naming the atom."""
+    if not text or not text.strip():
+        raise MoleculeError(f"{source}: empty geometry; expected e.g. \"H 0 0 0; H 0 0 0.74\"")
+    entries = [e.strip() for e in text.replace("\n", ";").split(";")]
+    atoms = [parse_atom(entry, f"{source}: atom {n} {entry!r}")
+             for n, entry in enumerate((e for e in entries if e), start=1)]
+    if not atoms:
+        raise MoleculeError(f"{source}: no atoms found in {text!r}")
+    check_distances(atoms, source, unit)
+    return atoms
+
+
+def read_xyz(path: str | Path, unit: str = "angstrom") -> list[Atom]:
+    """A standard single-geometry ``.xyz`` file: the atom count, a comment line, then one ``El x y z`` per atom.
+
+    Errors name the file and the line (``FILE:LINE: ...``), the way compilers do, so an editor can jump to it.
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except UnicodeDecodeError:
+        raise MoleculeError(f"{path}: not a text file (expected .xyz)") from None
+    except OSError as e:
+        raise MoleculeError(f"--xyz {path}: cannot read it ({e.strerror or e})") from None
+    if not lines or not lines[0].strip():
+        raise MoleculeError(f"{path}:1: expected the number of atoms on the first line, got an empty line")
+    try:
+        count = int(lines[0].strip())
+    except ValueError:
+        raise MoleculeError(f"{path}:1: expected the number of atoms on the first line, got {lines[0].strip()!r}") \
+            from None
+    if count < 1:
+        raise MoleculeError(f"{path}:1: the number of atoms must be >= 1, got {count}")
+    if len(lines) < 2:
+        raise MoleculeError(f"{path}:2: missing the comment line (the second line of an .xyz file)")
+    atoms = []
+    for n in range(3, 3 + count):
+        if n > len(lines):
+            raise MoleculeError(f"{path}:{n}: file ends after {len(atoms)} atoms, but line 1 says {count}")
+        atoms.append(parse_atom(lines[n - 1].strip(), f"{path}:{n}: {lines[n - 1].strip()!r}"))
+    for n in range(3 + count, len(lines) + 1):
+        if lines[n - 1].strip():
+            raise MoleculeError(f"{path}:{n}: more atom lines than the {count} announced on line 1 "
+                                f"(one geometry per file)")
+    check_distances(atoms, str(path), unit)
     return atoms
 
 
 def get_molecule(name: str | None = None, atom: str | None = None, basis: str = "sto-3g",
-                 charge: int | None = None, spin: int | None = None) -> Molecule:
-    """A built-in molecule by name, or one given as an ``--atom`` string; validates charge and spin."""
-    if (name is None) == (atom is None):
-        raise MoleculeError("give exactly one of --molecule NAME or --atom \"El x y z; ...\"")
+                 charge: int | None = None, spin: int | None = None, xyz: str | Path | None = None,
+                 unit: str | None = None) -> Molecule:
+    """A built-in molecule by name, an ``--atom`` string or an ``.xyz`` file; validates unit, charge and spin."""
+    if sum(v is not None for v in (name, atom, xyz)) != 1:
+        raise MoleculeError("give exactly one of --molecule NAME, --atom \"El x y z; ...\" or --xyz FILE")
+    unit_key = check_unit(unit or "angstrom")
     if name is not None:
+        if unit_key != "angstrom":
+            raise MoleculeError(f"--unit {unit} applies to --atom and --xyz; built-in molecules are in Angstrom")
         key = name.lower()
         if key not in BUILTIN:
             raise MoleculeError(f"unknown molecule {name!r}; known molecules: {', '.join(BUILTIN)}")
@@ -111,13 +173,13 @@ def get_molecule(name: str | None = None, atom: str | None = None, basis: str = 
         mol = Molecule(key, parse_atoms(geom, f"built-in {key}"), basis, c0 if charge is None else charge,
                        s0 if spin is None else spin)
     else:
-        atoms = parse_atoms(atom)
-        mol = Molecule(_formula(atoms), atoms, basis, charge or 0, spin or 0)
+        atoms = parse_atoms(atom, unit=unit_key) if atom is not None else read_xyz(xyz, unit_key)
+        mol = Molecule(_formula(atoms), atoms, basis, charge or 0, spin or 0, unit_key)
     check_charge_spin(mol)
     return mol
 
 
-def _formula(atoms) -> str:
+def _formula(atoms: list[Atom]) -> str:
     counts: dict[str, int] = {}
     for s, _ in atoms:
         counts[s] = counts.get(s, 0) + 1
@@ -137,124 +199,3 @@ def check_charge_spin(mol: Molecule) -> None:
         )
     if mol.spin > n:
         raise MoleculeError(f"--spin {mol.spin} exceeds the number of electrons ({n}) of {mol.name}")
-
-
-def build_pyscf(mol: Molecule):
-    """pyscf.gto.Mole for ``mol``; the number of orbitals is checked against N_alpha here."""
-    from pyscf import gto
-
-    try:
-        pmol = gto.M(atom=mol.atom_string(), basis=mol.basis, charge=mol.charge, spin=mol.spin,
-                     unit="Angstrom", verbose=0)
-    except (RuntimeError, KeyError, ValueError) as e:  # PySCF reports unknown basis sets etc. this way
-        raise MoleculeError(f"PySCF rejected {mol.name} (basis {mol.basis!r}): {e}") from e
-    if mol.n_alpha > pmol.nao:
-        raise MoleculeError(
-            f"{mol.name}: {mol.n_alpha} alpha electrons do not fit into {pmol.nao} orbitals of basis {mol.basis!r}"
-        )
-    return pmol
-
-
-def run_scf(pmol, conv_tol: float = 1e-10):
-    """RHF for closed shells, ROHF otherwise (one set of orbitals for both spins, as the pair tokens assume)."""
-    from pyscf import scf
-
-    mf = scf.RHF(pmol) if pmol.spin == 0 else scf.ROHF(pmol)
-    mf.conv_tol = conv_tol
-    mf.kernel()
-    if not mf.converged:  # second-order solver rescues the usual stragglers
-        mf = mf.newton()
-        mf.kernel()
-    if not mf.converged:
-        warnings.warn(f"SCF did not converge for {pmol.atom}; energies are relative to unconverged orbitals")
-    return mf
-
-
-@dataclass
-class References:
-    e_hf: float | None = None
-    e_ccsd: float | None = None
-    e_ccsd_t: float | None = None
-    e_fci: float | None = None
-    e_fci_sector: float | None = None  # lowest eigenvalue with these N_alpha, N_beta (any total spin)
-    fci_roots: list[float] = field(default_factory=list)
-    fci_s2: list[float] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-FCI_MAX_DETERMINANTS = 5_000_000
-
-
-def reference_energies(mf, h1: np.ndarray, eri: np.ndarray, e_nuc: float, nelec: tuple[int, int],
-                       fci: bool = True, cc: bool = True, n_roots: int = 4) -> References:
-    """HF, CCSD, CCSD(T) and FCI (lowest root of the right spin among ``n_roots``) for the given integrals."""
-    from pyscf import cc as pcc
-    from pyscf import fci as pfci
-
-    ref = References(e_hf=float(mf.e_tot))
-    norb = h1.shape[0]
-    if cc:
-        try:
-            mycc = pcc.CCSD(mf)
-            mycc.verbose = 0
-            mycc.kernel()
-            ref.e_ccsd = float(mycc.e_tot)
-            if not mycc.converged:
-                ref.notes.append("CCSD did not converge")
-            ref.e_ccsd_t = float(mycc.e_tot + mycc.ccsd_t()) if sum(nelec) > 2 else ref.e_ccsd
-        except Exception as e:  # CC failing must not stop the NNQS run; the table shows null
-            ref.notes.append(f"CCSD failed: {e}")
-    dim = math.comb(norb, nelec[0]) * math.comb(norb, nelec[1])
-    if fci and dim <= FCI_MAX_DETERMINANTS:
-        solver = pfci.direct_spin1.FCI()
-        solver.conv_tol = 1e-12
-        solver.max_cycle = 500
-        solver.verbose = 0
-        nroots = min(n_roots, dim)
-        e, ci = solver.kernel(h1, eri, norb, nelec, ecore=e_nuc, nroots=nroots)
-        e, ci = (np.atleast_1d(e), ci if nroots > 1 else [ci])
-        s = abs(nelec[0] - nelec[1]) / 2
-        ss = [float(pfci.spin_op.spin_square0(c, norb, nelec)[0]) for c in ci]
-        ref.fci_roots, ref.fci_s2 = [float(v) for v in e], ss
-        ref.e_fci_sector = float(min(e))
-        good = [float(ei) for ei, si in zip(e, ss) if abs(si - s * (s + 1)) < 1e-3]
-        if good:
-            ref.e_fci = min(good)
-        else:
-            ref.notes.append(f"no FCI root among {nroots} has S={s}; e_fci is null")
-        if ref.e_fci is not None and ref.e_fci_sector < ref.e_fci - 1e-8:
-            ref.notes.append(
-                f"a state of different total spin lies below the S={s} ground state "
-                f"({ref.e_fci_sector:.8f} < {ref.e_fci:.8f}); NNQS (fixed N_alpha, N_beta) can go below e_fci"
-            )
-    elif fci:
-        ref.notes.append(f"FCI skipped: {dim} determinants > {FCI_MAX_DETERMINANTS}")
-    return ref
-
-
-@dataclass
-class System:
-    """Everything the NNQS run needs about one molecule: the input, the Hamiltonian and the references."""
-
-    molecule: Molecule
-    hamiltonian: "Hamiltonian"  # noqa: F821
-    references: References
-    mf: object = None
-
-    @property
-    def n_orb(self) -> int:
-        return self.hamiltonian.n_orb
-
-
-def prepare(mol: Molecule, fci: bool = True, cc: bool = True, n_roots: int = 4) -> System:
-    """SCF -> MO integrals -> Hamiltonian, plus reference energies on the same orbitals."""
-    from seqlab.nnqs.hamiltonian import Hamiltonian, mo_integrals
-
-    mf = run_scf(build_pyscf(mol))
-    h1, eri, e_nuc = mo_integrals(mf)
-    ham = Hamiltonian(h1, eri, e_nuc, mol.n_alpha, mol.n_beta)
-    refs = reference_energies(mf, h1, eri, e_nuc, (mol.n_alpha, mol.n_beta), fci=fci, cc=cc, n_roots=n_roots)
-    return System(mol, ham, refs, mf)

@@ -38,6 +38,11 @@ class SamplerConfig:
     max_batch: int = 65536  # unique prefixes processed together before the level is chunked
     split_rows_per_rank: int = 8  # distributed: shared prefix tree until this many prefixes per rank
 
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "split_rows_per_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SamplerConfig.{name}: must be >= 1, got {getattr(self, name)}")
+
 
 @dataclass
 class Samples:

@@ -41,12 +41,6 @@ def tokens_to_bits(tokens: Tensor) -> Tensor:
     return torch.stack(((t & 1).bool(), (t >> 1).bool()), dim=-1).flatten(-2)
 
 
-def bits_to_tokens(bits: Tensor) -> Tensor:
-    """Inverse of :func:`tokens_to_bits`."""
-    b = bits.long().unflatten(-1, (-1, 2))
-    return b[..., 0] + 2 * b[..., 1]
-
-
 def tokens_to_keys(tokens: Tensor) -> Tensor:
     """[B, n_orb] pair tokens -> [B] int64 keys (base-4 number, orbital 0 least significant)."""
     n_orb = tokens.shape[-1]

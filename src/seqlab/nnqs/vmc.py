@@ -1,4 +1,4 @@
-"""Variational Monte Carlo: sample -> local energies -> energy and gradient -> optimizer step.
+"""One VMC step: sample -> local energies -> energy and gradient -> optimizer step (the driver is ``driver.py``).
 
 With weights w_k = n_k / N_s from the sampler's unique configurations and counts,
 
@@ -17,24 +17,21 @@ preconditions the gradient with the quantum geometric tensor in its sample-space
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from seqlab.runtime import atomic_write_text
-from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
-from seqlab.nnqs.distributed import Dist
+from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.nnqs.hamiltonian import Hamiltonian
 from seqlab.nnqs.local_energy import MODES, PsiTable, SectorHamiltonian, local_energy
 from seqlab.nnqs.sampler import SamplerConfig, enumerate_log_prob, sample
-from seqlab.nnqs.space import all_configurations, keys_to_tokens, n_configurations, tokens_to_bits, tokens_to_keys
+from seqlab.nnqs.space import keys_to_tokens, n_configurations, tokens_to_bits, tokens_to_keys
+from seqlab.nnqs.sr import sr_direction
+from seqlab.runtime.dist import DistInfo, all_reduce_sum
+from seqlab.runtime.schedule import warmup_cosine
 
 HARTREE_TO_MHA = 1000.0
 
@@ -53,7 +50,7 @@ class VMCConfig:
     local_energy: str = "exact"
     # exact E_loc through H precomputed over the whole (N_alpha, N_beta) sector (local_energy.SectorHamiltonian)
     # when the sector has at most this many configurations; 0 disables. Costs per step one no-grad pass over the
-    # whole sector (prefix tree on the KV cache), and memory <= ~12 bytes x N_conf x (singles + doubles): 22 MiB for N2.
+    # whole sector (prefix tree on the KV cache), and memory of about 12 bytes x N_conf x (singles + doubles).
     sector_max: int = 200_000
     # entropy annealing: minimise E - T*S(P), T decaying linearly to 0 over the first anneal_frac of the steps.
     # T0 = anneal * (spread of diagonal energies over the first step's samples), so one value fits all molecules.
@@ -66,13 +63,15 @@ class VMCConfig:
     eval_exact_max: int = 100_000  # final evaluation sums over every configuration below this space size
     eval_samples: int | None = None  # otherwise samples this many (default 100 * samples)
     checkpoint_every: int = 100
+    keep_last: int = 2  # checkpoints kept (the newest); 0 keeps all
 
     def __post_init__(self) -> None:
         if self.local_energy not in MODES:
             raise ValueError(f"VMCConfig.local_energy: {self.local_energy!r} not in {MODES}")
-        for name in ("steps", "samples"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"VMCConfig.{name}: must be >= 1, got {getattr(self, name)}")
+        for name, low in (("steps", 1), ("samples", 1), ("checkpoint_every", 1), ("keep_last", 0), ("warmup", 0),
+                          ("anneal", 0)):
+            if not getattr(self, name) >= low:  # `not >=` also refuses NaN
+                raise ValueError(f"VMCConfig.{name}: must be >= {low}, got {getattr(self, name)}")
         if self.sector_max < 0:
             raise ValueError(f"VMCConfig.sector_max: must be >= 0, got {self.sector_max}")
         if self.lr <= 0:
@@ -85,12 +84,8 @@ def temperature_at(cfg: VMCConfig, step: int, t0: float) -> float:
 
 
 def lr_at(cfg: VMCConfig, step: int) -> float:
-    """Linear warmup over ``warmup`` steps, then cosine decay to ``lr * min_lr_ratio`` at the last step."""
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / (cfg.warmup + 1)
-    p = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - 1 - cfg.warmup))
-    lo = cfg.lr * cfg.min_lr_ratio
-    return lo + 0.5 * (1 + math.cos(math.pi * p)) * (cfg.lr - lo)
+    """The runtime's warmup-cosine, ending at ``lr * min_lr_ratio`` on the *last* step (index ``steps - 1``)."""
+    return warmup_cosine(step, cfg.steps - 1, cfg.lr, cfg.warmup, cfg.min_lr_ratio)
 
 
 @dataclass
@@ -108,7 +103,7 @@ class StepStats:
     temperature: float = 0.0
 
 
-def _generators(seed: int, step: int, rank: int) -> tuple[torch.Generator, torch.Generator]:
+def step_generators(seed: int, step: int, rank: int) -> tuple[torch.Generator, torch.Generator]:
     shared = torch.Generator().manual_seed(1_000_003 * seed + step)
     local = torch.Generator().manual_seed(1_000_003 * seed + step + 7_919 * (rank + 1) * 1_000_000_007 % (2**62))
     return shared, local
@@ -123,7 +118,7 @@ def make_evaluator(wf: Wavefunction):
     return evaluate
 
 
-def build_sector(ham: Hamiltonian, cfg: VMCConfig, dist: Dist) -> SectorHamiltonian | None:
+def build_sector(ham: Hamiltonian, cfg: VMCConfig, dist: DistInfo) -> SectorHamiltonian | None:
     """H over the whole sector when exact local energies may take the sector fast path (see ``sector_max``)."""
     if cfg.local_energy != "exact" or n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta) > cfg.sector_max:
         return None
@@ -134,8 +129,8 @@ def build_sector(ham: Hamiltonian, cfg: VMCConfig, dist: Dist) -> SectorHamilton
 def sector_log_psi(wf: Wavefunction, sector: SectorHamiltonian) -> Tensor:
     """log psi [D] complex128 on every sector configuration, in ``sector.keys`` order.
 
-    log P comes from walking the whole prefix tree on the KV cache (``enumerate_log_prob``), ~4x cheaper than one
-    parallel forward over the finished configurations; the phase MLP runs on all of them in one batch. Every rank
+    log P comes from walking the whole prefix tree on the KV cache (``enumerate_log_prob``), cheaper than one
+    parallel forward over the finished configurations because shared prefixes are read once; the phase MLP runs on all of them in one batch. Every rank
     evaluates the whole sector itself (no communication; it needs the rows of its own samples only).
     """
     tokens, logp = enumerate_log_prob(wf)
@@ -146,45 +141,14 @@ def sector_log_psi(wf: Wavefunction, sector: SectorHamiltonian) -> Tensor:
     return out
 
 
-def _sr_direction(wf: Wavefunction, tokens: Tensor, w: Tensor, eloc: Tensor, energy: complex, shift: float) -> None:
-    """Replace .grad by the minSR natural-gradient direction (single process; U x U kernel).
-
-    O_k = d log psi(x_k)/dθ (complex), centred and scaled by sqrt(w_k): the update solves
-    (S + shift) δ = F in parameter space through the U x U kernel T = O O^† (cheap when U << n_params).
-    """
-    params = [p for p in wf.parameters() if p.requires_grad]
-    rows_re, rows_im = [], []
-    for k in range(len(tokens)):  # per-sample gradients; SR is meant for small sample sets
-        lp, ph = wf(tokens[k : k + 1])
-        g_re = torch.autograd.grad(0.5 * lp.sum(), params, allow_unused=True)
-        g_im = torch.autograd.grad(ph.sum(), params, allow_unused=True)
-        rows_re.append(torch.cat([(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(g_re, params)]))
-        rows_im.append(torch.cat([(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(g_im, params)]))
-    O = torch.complex(torch.stack(rows_re).double(), torch.stack(rows_im).double())
-    sw = w.sqrt()[:, None]
-    O = sw * (O - (w[:, None] * O).sum(0, keepdim=True))
-    eps = sw.squeeze(1) * (eloc - energy)  # centred, weighted local energies
-    # real parametrisation: stack real and imaginary parts (S and F are real for real parameters)
-    Or = torch.cat((O.real, O.imag), 0)
-    er = torch.cat((eps.real, eps.imag), 0)
-    T = Or @ Or.T
-    T = T + shift * T.diagonal().mean().clamp_min(1e-12) * torch.eye(len(T), dtype=T.dtype)
-    delta = Or.T @ torch.linalg.solve(T, er)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = delta[offset : offset + n].view_as(p).to(p.dtype).clone()
-        offset += n
-
-
 def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg: VMCConfig, step: int,
-             dist: Dist, t0: float = 0.0, sector: SectorHamiltonian | None = None) -> StepStats:
+             dist: DistInfo, t0: float = 0.0, sector: SectorHamiltonian | None = None) -> StepStats:
     """One optimizer step; ``t0`` is the initial annealing temperature (see ``initial_temperature``).
 
     With ``sector`` (from ``build_sector``) exact local energies take the sector fast path; the result is the same.
     """
     t_0 = time.perf_counter()
-    shared, local = _generators(cfg.seed, step, dist.rank)
+    shared, local = step_generators(cfg.seed, step, dist.rank)
     s = sample(wf, cfg.samples, shared, cfg.sampler, dist.rank, dist.world_size, local)
     t1 = time.perf_counter()
     keys = tokens_to_keys(s.tokens)
@@ -204,19 +168,19 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
     w = s.counts.double() / s.n_total
     sums = torch.stack(((w * eloc.real).sum(), (w * eloc.imag).sum(), (w * eloc.abs() ** 2).sum(),
                         torch.tensor(float(len(keys)), dtype=torch.float64)))
-    dist.all_reduce(sums)
+    all_reduce_sum(sums, dist)
     e_re, e_im, e2, n_unique = (float(v) for v in sums)
     var = max(e2 - e_re**2 - e_im**2, 0.0)
     de = eloc - complex(e_re, e_im)
     opt.zero_grad(set_to_none=True)
     if cfg.sr:
-        _sr_direction(wf, s.tokens, w, eloc, complex(e_re, e_im), cfg.sr_shift)
+        sr_direction(wf, s.tokens, w, eloc, complex(e_re, e_im), cfg.sr_shift)
     else:
         a = de.real
         temp = temperature_at(cfg, step, t0)
         if temp > 0:  # d(T * sum P log P) = T * E[(log P - <log P>) d log P]
             lp = logp.detach().double()
-            mean_lp = dist.all_reduce((w * lp).sum().reshape(1))[0]
+            mean_lp = all_reduce_sum((w * lp).sum().reshape(1), dist)[0]
             a = a + temp * (lp - mean_lp)
         if len(keys):
             loss = (w * (a * logp.double() + 2 * de.imag * phase.double())).sum()
@@ -226,7 +190,7 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     flat = torch.cat([p.grad.flatten() for p in params])
-    dist.all_reduce(flat)
+    all_reduce_sum(flat, dist)
     if cfg.grad_clip:  # global-norm clipping (same on every rank: after the all-reduce)
         flat.mul_(min(1.0, cfg.grad_clip / (float(flat.norm()) + 1e-12)))
     offset = 0
@@ -243,7 +207,7 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
 
 
 @torch.no_grad()
-def initial_temperature(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: Dist) -> float:
+def initial_temperature(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: DistInfo) -> float:
     """T0 = anneal * (mean - min) of H[x,x] over a sample of the initial (nearly uniform) wavefunction.
 
     That spread is the energy scale the first steps work against (tens of Ha for H2O, a few for LiH); tying T0 to
@@ -258,192 +222,3 @@ def initial_temperature(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist
     diag = ham.diagonal(tokens_to_bits(s.tokens))
     w = s.counts.double() / s.counts.sum()
     return cfg.anneal * float((w * diag).sum() - diag.min())
-
-
-@torch.no_grad()
-def evaluate_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: Dist, seed: int = 12345) -> dict:
-    """Final energy: exact sum over the whole space when it is small, else a large sample (exact local energies).
-
-    Deliberately on the per-sample enumeration path, not the sector fast path used in training: the reported
-    energy is then an independent check of it (and the one-off cost is small).
-    """
-    n_conf = n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)
-    evaluate = make_evaluator(wf)
-    if n_conf <= cfg.eval_exact_max:
-        tokens = all_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)
-        keys = tokens_to_keys(tokens)
-        log_psi = wf.log_psi(tokens)
-        table = PsiTable(keys, log_psi)
-        mine = torch.arange(dist.rank, len(keys), dist.world_size)
-        p = torch.exp(2 * log_psi.real[mine])
-        eloc = local_energy(ham, keys[mine], log_psi[mine], table, evaluate, "exact")
-        sums = torch.stack(((p * eloc.real).sum(), (p * eloc.abs() ** 2).sum(), p.sum()))
-        dist.all_reduce(sums)
-        e, e2, psum = (float(v) for v in sums)
-        e, e2 = e / psum, e2 / psum  # psum == 1 up to float32 round-off of log P; normalising removes it
-        return {"energy": e, "energy_std": 0.0, "variance": max(e2 - e * e, 0.0), "final_eval": "exact",
-                "final_eval_samples": None, "n_configurations": n_conf, "prob_sum": psum}
-    n_s = cfg.eval_samples or 100 * cfg.samples
-    shared, local = _generators(seed, 0, dist.rank)
-    s = sample(wf, n_s, shared, cfg.sampler, dist.rank, dist.world_size, local)
-    keys = tokens_to_keys(s.tokens)
-    log_psi = wf.log_psi(s.tokens)
-    eloc = (local_energy(ham, keys, log_psi, PsiTable(keys, log_psi), evaluate, "exact") if len(keys)
-            else torch.zeros(0, dtype=torch.complex128))
-    w = s.counts.double() / n_s
-    sums = torch.stack(((w * eloc.real).sum(), (w * eloc.abs() ** 2).sum()))
-    dist.all_reduce(sums)
-    e, e2 = (float(v) for v in sums)
-    var = max(e2 - e * e, 0.0)
-    return {"energy": e, "energy_std": math.sqrt(var / n_s), "variance": var, "final_eval": "sampled",
-            "final_eval_samples": n_s, "n_configurations": n_conf, "prob_sum": None}
-
-
-# --- files ---------------------------------------------------------------------------------------------------
-
-
-def save_checkpoint(out: Path, wf: Wavefunction, opt: torch.optim.Optimizer, step: int, extra: dict) -> None:
-    """model.safetensors + optimizer.pt (tensors only; loaded with weights_only=True) + state.json."""
-    from safetensors.torch import save_file
-
-    ck = out / "checkpoint"
-    ck.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=ck, prefix=".model.")
-    os.close(fd)
-    save_file({k: v.contiguous() for k, v in wf.state_dict().items()}, tmp)
-    os.replace(tmp, ck / "model.safetensors")
-    fd, tmp = tempfile.mkstemp(dir=ck, prefix=".optimizer.")
-    os.close(fd)
-    torch.save(opt.state_dict(), tmp)
-    os.replace(tmp, ck / "optimizer.pt")
-    atomic_write_text(ck / "state.json", json.dumps({"step": step, **wf.config_dict(), **extra}, indent=2) + "\n")
-
-
-def load_checkpoint(out: Path, wf: Wavefunction, opt: torch.optim.Optimizer) -> int:
-    """Restore model and optimizer from ``out/checkpoint``; returns the number of completed steps."""
-    from safetensors.torch import load_file
-
-    ck = out / "checkpoint"
-    state = json.loads((ck / "state.json").read_text())
-    if (state["n_orb"], state["n_alpha"], state["n_beta"]) != (wf.n_orb, wf.n_alpha, wf.n_beta):
-        raise ValueError(f"{ck / 'state.json'}: checkpoint is for a different molecule "
-                         f"(n_orb, N_alpha, N_beta) = {(state['n_orb'], state['n_alpha'], state['n_beta'])}")
-    if state["ansatz"] != asdict(wf.cfg):
-        raise ValueError(f"{ck / 'state.json'}: checkpoint ansatz {state['ansatz']} != requested {asdict(wf.cfg)}")
-    wf.load_state_dict(load_file(ck / "model.safetensors"))
-    opt.load_state_dict(torch.load(ck / "optimizer.pt", weights_only=True))
-    return int(state["step"])
-
-
-def plot_convergence(path: Path, records: list[dict], e_fci: float | None, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in records]
-    e = [r["energy"] for r in records]
-    sd = [r["energy_std"] for r in records]
-    fig, axes = plt.subplots(1, 2 if e_fci is not None else 1, figsize=(11 if e_fci is not None else 6, 4))
-    ax = axes[0] if e_fci is not None else axes
-    ax.errorbar(steps, e, yerr=sd, fmt=".", ms=2, lw=0.5, label="NNQS (step estimate)")
-    if e_fci is not None:
-        ax.axhline(e_fci, color="k", lw=1, label="FCI")
-        lo = min(e_fci, min(e)) - 0.01
-        ax.set_ylim(lo, max(e_fci + 0.2, lo + 0.05))
-    ax.set_xlabel("step")
-    ax.set_ylabel("energy (Ha)")
-    ax.legend()
-    if e_fci is not None:
-        err = [max(abs(v - e_fci) * HARTREE_TO_MHA, 1e-3) for v in e]
-        axes[1].semilogy(steps, err, ".", ms=2)
-        axes[1].axhline(1.6, color="r", lw=1, label="chemical accuracy (1.6 mHa)")
-        axes[1].set_xlabel("step")
-        axes[1].set_ylabel("|E - E_FCI| (mHa)")
-        axes[1].legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
-
-
-# --- the driver ----------------------------------------------------------------------------------------------
-
-
-@dataclass
-class RunResult:
-    wavefunction: Wavefunction
-    records: list[dict]
-    final: dict
-    wall_time_s: float
-
-
-def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None, out: str | Path | None = None,
-            dist: Dist | None = None, e_ref: float | None = None, resume: bool = False, callback=None,
-            title: str = "NNQS") -> RunResult:
-    """Train a fresh (or resumed) wavefunction for ``cfg.steps`` steps, then evaluate its energy.
-
-    Writes (on rank 0, when ``out`` is given): energies.jsonl (one line per step), checkpoint/ every
-    ``checkpoint_every`` steps and at the end, convergence.png. ``callback(stats)`` is called after every step.
-    """
-    dist = dist or Dist()
-    if cfg.sr and dist.world_size > 1:
-        raise ValueError("VMCConfig.sr: stochastic reconfiguration is implemented for one process only")
-    out = Path(out) if out is not None else None
-    torch.manual_seed(cfg.seed)  # identical initial parameters on every rank
-    wf = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta, ansatz)
-    groups = [{"params": list(wf.decoder.parameters()), "lr_scale": 1.0},
-              {"params": list(wf.phase_net.parameters()), "lr_scale": cfg.phase_lr_scale}]
-    if cfg.sr:  # the natural-gradient direction is already preconditioned: plain steps along it
-        opt = torch.optim.SGD(groups, lr=cfg.lr)
-    else:
-        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-    start_step, records = 0, []
-    if resume and out is not None and (out / "checkpoint" / "state.json").exists():
-        start_step = load_checkpoint(out, wf, opt)
-        log = out / "energies.jsonl"
-        if log.exists():
-            records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()][:start_step]
-    log_f = None
-    if out is not None and dist.is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(out / "energies.jsonl", "".join(json.dumps(r) + "\n" for r in records))
-        log_f = open(out / "energies.jsonl", "a")
-    t_start = time.perf_counter()
-    t0 = initial_temperature(wf, ham, cfg, dist) if start_step == 0 else float(_saved_t0(out))
-    sector = build_sector(ham, cfg, dist)
-    try:
-        for step in range(start_step, cfg.steps):
-            st = vmc_step(wf, ham, opt, cfg, step, dist, t0, sector)
-            rec = asdict(st)
-            rec["wall_time_s"] = time.perf_counter() - t_start
-            if e_ref is not None:
-                rec["error_mha"] = (st.energy - e_ref) * HARTREE_TO_MHA
-            records.append(rec)
-            if log_f is not None:
-                log_f.write(json.dumps(rec) + "\n")
-                log_f.flush()
-            if callback is not None:
-                callback(st)
-            done = step + 1
-            if out is not None and dist.is_main and (done % cfg.checkpoint_every == 0 or done == cfg.steps):
-                save_checkpoint(out, wf, opt, done, {"vmc": _jsonable(asdict(cfg)), "t0": t0})
-    finally:
-        if log_f is not None:
-            log_f.close()
-    final = evaluate_energy(wf, ham, cfg, dist)
-    wall = time.perf_counter() - t_start
-    if out is not None and dist.is_main and records:
-        plot_convergence(out / "convergence.png", records, e_ref, title)
-    return RunResult(wf, records, final, wall)
-
-
-def _saved_t0(out: Path) -> float:
-    return json.loads((out / "checkpoint" / "state.json").read_text()).get("t0", 0.0)
-
-
-def _jsonable(d: dict) -> dict:
-    return json.loads(json.dumps(d, default=str))

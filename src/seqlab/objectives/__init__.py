@@ -2,7 +2,7 @@
 
 Every objective follows one contract (``objectives.base``)::
 
-    obj = build_objective("clm" | "mlm" | "seq2seq" | "sft" | "dpo", tokenizer, **kwargs)
+    obj = build_objective(name, tokenizer, **kwargs)  # name: a key of OBJECTIVES
     batch = obj.collate(examples)            # dict of padded tensors (move it to the device yourself)
     n = obj.num_targets(batch)               # valid targets; sum over the micro-batches (and ranks) of a step
     out = obj.loss(model, batch)             # ObjectiveOutput(loss_sum, n_targets, metrics, n_bytes)
@@ -25,15 +25,20 @@ from seqlab.objectives.mlm import MaskedLM, mask_tokens
 from seqlab.objectives.seq2seq import Seq2Seq
 from seqlab.objectives.sft import SFT
 
-OBJECTIVES: dict[str, type[BaseObjective]] = {"clm": CausalLM, "mlm": MaskedLM, "seq2seq": Seq2Seq, "sft": SFT,
-                                              "dpo": DPO}
+# The one registry: each name is spelled once, on its class; the CLI's choices and TrainConfig read it here.
+OBJECTIVES: dict[str, type[BaseObjective]] = {cls.name: cls for cls in (CausalLM, MaskedLM, Seq2Seq, SFT, DPO)}
+
+
+def objective_class(name: str) -> type[BaseObjective]:
+    """The registered class for ``name``; an unknown name fails naming what is accepted."""
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; expected one of {sorted(OBJECTIVES)}")
+    return OBJECTIVES[name]
 
 
 def build_objective(name: str, tokenizer: Any, **kwargs: Any) -> BaseObjective:
-    """The registry. Unknown names or keyword arguments fail here, naming what is accepted."""
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown objective {name!r}; expected one of {sorted(OBJECTIVES)}")
-    cls = OBJECTIVES[name]
+    """An objective from the registry. Unknown names or keyword arguments fail here, naming what is accepted."""
+    cls = objective_class(name)
     accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "tokenizer")]
     unknown = sorted(set(kwargs) - set(accepted))
     if unknown:
@@ -43,4 +48,4 @@ def build_objective(name: str, tokenizer: Any, **kwargs: Any) -> BaseObjective:
 
 __all__ = ["BaseObjective", "CausalLM", "DPO", "IGNORE_INDEX", "MaskedLM", "OBJECTIVES", "Objective",
            "ObjectiveOutput", "SFT", "Seq2Seq", "build_objective", "causal_lm_loss", "dpo_loss", "mask_tokens",
-           "next_token_labels", "token_cross_entropy"]
+           "next_token_labels", "objective_class", "token_cross_entropy"]

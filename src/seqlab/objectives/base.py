@@ -13,7 +13,13 @@ Optional hooks with no-op defaults in :class:`BaseObjective`:
 - ``state_dict()`` / ``load_state_dict(d)``: RNG position of objectives that draw randomness at collate time
   (MLM), saved with checkpoints so a resumed run masks exactly as the uninterrupted one;
 - ``evaluating()``: a context manager to wrap an evaluation pass in; MLM then draws the *same* masks at every
-  evaluation (comparable validation losses) without moving the training RNG.
+  evaluation (comparable validation losses) without moving the training RNG;
+- ``count_tokens(batch)``: positions the model processes (for tokens per second).
+
+Class attributes tell the trainer and the CLI what they would otherwise learn from the objective's name:
+``token_level`` (the loss is a mean NLL per target token, so perplexity and bits per byte mean something),
+``loss_label`` (the y-axis of the loss curve), ``natural_text`` (trains on prose: BPE by default, trained on the
+run's own text) and ``can_pack`` (rows may hold several documents under a document mask).
 
 Objectives call the model only through ``model(...)`` (its ``forward``), so DDP/FSDP wrappers see every pass.
 """
@@ -43,6 +49,10 @@ class Objective(Protocol):
 class BaseObjective:
     name = "base"
     arch = "decoder"  # the ModelConfig.arch this objective trains
+    token_level = True
+    loss_label = "loss (nats / target token)"
+    natural_text = False
+    can_pack = False
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -68,6 +78,16 @@ class BaseObjective:
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:
         yield
+
+    def count_tokens(self, batch: dict[str, Tensor]) -> int:
+        """Real (unpadded) positions of every id tensor the model reads."""
+        total = 0
+        for key, mask_key in (("input_ids", "attention_mask"), ("decoder_input_ids", "decoder_attention_mask")):
+            ids = batch.get(key)
+            if isinstance(ids, Tensor):
+                mask = batch.get(mask_key)
+                total += int(mask.sum()) if isinstance(mask, Tensor) else ids.numel()
+        return total
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

@@ -60,6 +60,8 @@ class CausalLM(BaseObjective):
 
     name = "clm"
     arch = "decoder"
+    natural_text = True
+    can_pack = True
 
     def __init__(self, tokenizer: Any, padding_side: str = "right"):
         super().__init__(tokenizer)

@@ -53,6 +53,8 @@ class DPO(BaseObjective):
 
     name = "dpo"
     arch = "decoder"
+    token_level = False  # a per-pair preference loss: perplexity and bits per byte mean nothing
+    loss_label = "DPO loss (-log sigmoid(beta * reward margin), per pair)"
 
     def __init__(self, tokenizer: Any, beta: float = 0.1, reference: torch.nn.Module | None = None,
                  max_len: int | None = None, template: str | None = None):

@@ -51,6 +51,7 @@ class MaskedLM(BaseObjective):
 
     name = "mlm"
     arch = "encoder"
+    natural_text = True
 
     def __init__(self, tokenizer: Any, mask_prob: float = 0.15, mask_frac: float = 0.8, random_frac: float = 0.1,
                  seed: int = 0):

@@ -21,6 +21,8 @@ class SFT(CausalLM):
     :func:`tokenize_chat` (``data.build_dataset("sft", ...)`` produces them)."""
 
     name = "sft"
+    natural_text = False  # chats: short synthetic turns, byte tokens by default
+    can_pack = False
 
     def __init__(self, tokenizer: Any, padding_side: str = "right", template: str | None = None):
         super().__init__(tokenizer, padding_side)

@@ -34,3 +34,33 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> None:
     atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
+
+
+def ensure_writable_dir(path: str | os.PathLike, what: str) -> Path:
+    """Create ``path`` if needed and check that files can be made in it; a clear one-line error naming ``what``
+    (a flag) otherwise, before any long work starts."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what} {path}: is a file, not a directory")
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"{what} {path}: lies under {blocker}, which is a file")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
+    except OSError as e:
+        raise ValueError(f"{what} {path}: not writable ({e.strerror or e})") from e
+    return path
+
+
+def check_writable_file(path: str | os.PathLike, what: str) -> Path:
+    """Check that ``path`` can be written (its folder exists or can be made, and it is not a folder) without
+    creating it, so that a long job does not fail only at its end."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path}: is a directory")
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"{what} {path}: lies under {blocker}, which is a file")
+    ensure_writable_dir(path.parent, what)
+    return path

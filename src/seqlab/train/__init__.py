@@ -1,11 +1,11 @@
-"""Training: the Trainer loop, its config, schedule, checkpoints and multi-process glue.
+"""Training: the Trainer loop and its config, on the runtime floor (schedule, checkpoints, logbook, processes).
 
     from seqlab.train import TrainConfig, Trainer
     trainer = Trainer(TrainConfig(objective="clm", out_dir="runs/x"), model, objective, train_data, val_data, tokenizer)
     result = trainer.fit()
 """
 
-from seqlab.train.checkpoint import CheckpointError
+from seqlab.runtime.errors import CheckpointError
 from seqlab.train.config import TrainConfig, TrainConfigError
 from seqlab.train.trainer import StopTraining, Trainer, TrainingDiverged, TrainResult
 

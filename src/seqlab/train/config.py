@@ -8,8 +8,14 @@ holds ``to_dict()`` so ``--resume`` can refuse a config that changed in a way th
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from seqlab.config import ModelConfig
+from seqlab.objectives import OBJECTIVES
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 PARALLEL = ("none", "ddp", "fsdp")
@@ -118,6 +124,23 @@ class TrainConfig:
             raise TrainConfigError("schedule", f"unknown schedule {self.schedule!r}; expected one of {SCHEDULES}")
         if self.eval_batches is not None and self.eval_batches <= 0:
             raise TrainConfigError("eval_batches", f"must be positive or None, got {self.eval_batches!r}")
+        if self.objective not in OBJECTIVES:
+            raise TrainConfigError("objective", f"unknown objective {self.objective!r}; expected one of {sorted(OBJECTIVES)}")
+        known = {f.name for f in dataclasses.fields(ModelConfig)}
+        unknown = sorted(set(self.model) - known)
+        if unknown:
+            raise TrainConfigError("model", f"{unknown[0]!r} (from --model {unknown[0]}=...) is not a ModelConfig "
+                                            f"field; known fields: {', '.join(sorted(known))}")
+
+    def warnings(self) -> list[str]:
+        """Settings that are valid but probably not meant (printed, not refused)."""
+        out = []
+        if self.warmup_frac is None and self.max_time_s is None and self.max_steps < self.warmup_steps:
+            peak = (self.max_steps) / (self.warmup_steps + 1)
+            out.append(f"--max-steps {self.max_steps} is below --warmup-steps {self.warmup_steps}: training ends "
+                       f"still in warmup, at {peak:.0%} of the peak learning rate, with no decay; lower "
+                       "--warmup-steps (or use --warmup-frac) if that is not meant")
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -125,14 +148,14 @@ class TrainConfig:
         return d
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise TrainConfigError(unknown[0], f"unknown field(s) {unknown}")
         return cls(**data)
 
-    def replace(self, **changes: Any) -> "TrainConfig":
+    def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -142,3 +165,15 @@ RESUME_MUTABLE = frozenset({
     "ckpt_interval", "keep_last", "progress", "plot", "compile", "activation_checkpointing", "num_threads",
     "device",
 })
+
+
+def read_run_config(out_dir: str | os.PathLike) -> dict[str, Any]:
+    """The ``train`` section of ``<out_dir>/config.json``; a damaged file is named in the error."""
+    path = Path(out_dir) / "config.json"
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); the run's configuration is damaged") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("train"), dict):
+        raise ValueError(f"{path}: no \"train\" section; not a seqlab run configuration")
+    return doc["train"]

@@ -13,13 +13,20 @@ records the sweep and the measured curve.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from seqlab.generate import generate
+from seqlab.runtime.files import atomic_write_text
+from seqlab.runtime.logbook import read_rows
 from seqlab.train.config import TrainConfig
+from seqlab.train.run import build_run
+from seqlab.train.rundir import claim_run_dir
+from seqlab.train.trainer import Trainer
 
 DEMO_PROMPTS = ("ROMEO.\n", "To be, or not to be", "KING. My lords,")
 
@@ -35,11 +42,8 @@ def auto_threads() -> int:
     """All cores on an idle machine; fewer when other processes already keep cores busy.
 
     Intra-op parallel regions end in a barrier: when the machine is oversubscribed, a step waits for its slowest
-    thread, which is often descheduled. Measured on the shared 2-core development box (load average ~7): one
-    thread ran the demo model at ~3.7 s per step, two threads at ~5.5 s. On an idle machine two threads win.
+    thread, which is often descheduled (docs/training.md has the measurement).
     """
-    import os
-
     cores = os.cpu_count() or 1
     try:
         busy = os.getloadavg()[0]
@@ -72,40 +76,17 @@ def sample_texts(model: torch.nn.Module, tokenizer, prompts: tuple[str, ...] | l
 
 @torch.no_grad()
 def _generate(model, ids, n_new, temperature, top_k, seed):
-    try:
-        from seqlab.generate import generate
-    except ImportError:  # the engine is optional for the demo: fall back to a plain cached sampling loop
-        generate = None
-    if generate is not None:
-        return generate(model, ids, max_new_tokens=n_new, do_sample=True, temperature=temperature, top_k=top_k,
-                        seed=seed)
-    g = torch.Generator(device=ids.device).manual_seed(seed)
-    cache = model.new_cache(ids.shape[0], ids.shape[1] + n_new)
-    logits = model(ids, cache=cache)[:, -1]
-    out = [ids]
-    for _ in range(n_new):
-        logits = logits.float() / temperature
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-        nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=g)
-        out.append(nxt)
-        logits = model(nxt, cache=cache)[:, -1]
-    return torch.cat(out, 1)
+    return generate(model, ids, max_new_tokens=n_new, do_sample=True, temperature=temperature, top_k=top_k, seed=seed)
 
 
 def run_demo(out_dir: str = "runs/demo", train_seconds: float = 300.0, seed: int = 1337, samples: int = 3,
              max_new_tokens: int = 120, progress: bool = True, **overrides: Any) -> dict[str, Any]:
-    from seqlab.train.run import build_run
-    from seqlab.train.trainer import Trainer
-    from seqlab.train.metrics_log import read_metrics
-    from seqlab.train.checkpoint import atomic_write_text
-
     wall0 = time.perf_counter()
     cfg = demo_config(out_dir, train_seconds, seed, progress=progress, **overrides)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for stale in ("tokenizer.json", "metrics.jsonl"):  # a demo always starts fresh
-        (out / stale).unlink(missing_ok=True)
+    moved = claim_run_dir(out, overwrite=True)  # a demo always starts fresh; an earlier one is moved, not deleted
+    if moved is not None:
+        print(f"[demo] the previous run in {out} was moved to {moved}")
     t = time.perf_counter()
     run = build_run(cfg)
     prep_s = time.perf_counter() - t
@@ -118,7 +99,7 @@ def run_demo(out_dir: str = "runs/demo", train_seconds: float = 300.0, seed: int
     texts = sample_texts(trainer.raw_model, run.tokenizer, DEMO_PROMPTS[:samples], max_new_tokens, seed=seed)
     curve = [{"train_seconds": r["train_seconds"], "elapsed_s": r["elapsed_s"], "step": r["step"],
               "val_bpb": r["val_bpb"], "val_loss": r["val_loss"]}
-             for r in read_metrics(out / "metrics.jsonl") if r.get("val_bpb") is not None]
+             for r in read_rows(out / "metrics.jsonl") if r.get("val_bpb") is not None]
     summary = {
         "val_bits_per_byte": val.get("val_bpb"),
         "val_loss": val.get("val_loss"),

@@ -6,13 +6,56 @@ TrainConfig in ``state.json``), so evaluation needs nothing but its path.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from seqlab.train import checkpoint as ckpt
+import seqlab.runtime.dist as D
+import seqlab.train.checkpoint as ckpt
+from seqlab.config import ModelConfig
+from seqlab.data import build_dataset, load_tokenizer
+from seqlab.eval.metrics import EvalTotals, evaluate
+from seqlab.model import build_model
+from seqlab.objectives import build_objective
+from seqlab.runtime.dist import resolve_device
+from seqlab.runtime.errors import CheckpointError
 from seqlab.train.config import TrainConfig
+from seqlab.train.precision import Precision, resolve_precision
+from seqlab.train.run import dataset_options
+
+
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return batch if device.type == "cpu" else {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor)
+                                                    else v) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def evaluate_on_ranks(model: torch.nn.Module, objective: Any, data: Any, batch_size: int, max_batches: int | None,
+                      precision: Precision, info: D.DistInfo, pad_ranks: bool = False) -> EvalTotals:
+    """The Trainer's evaluation: batches of ``data`` split over ranks, pooled into one ``EvalTotals`` on every rank
+    (the same sums ``seqlab eval`` pools). ``pad_ranks``: every rank runs the same number of forwards, as FSDP
+    needs (its ranks all-gather weights together)."""
+    was_training = model.training
+    model.eval()
+    starts = list(range(0, len(data), batch_size))[:max_batches]
+    mine = starts[info.rank::info.world_size]
+    if pad_ranks:
+        mine = mine + [None] * (math.ceil(len(starts) / info.world_size) - len(mine))
+    totals = EvalTotals()
+    with objective.evaluating():  # MLM: the same masks every time, without moving the training RNG
+        for s in mine:
+            first = starts[0] if s is None else s  # None: a padding forward that only keeps the ranks in step
+            rows = [data[i] for i in range(first, min(first + batch_size, len(data)))]
+            batch = to_device(objective.collate(rows), info.device)
+            with precision.autocast():
+                out = objective.loss(model, batch)
+            if s is not None:
+                totals.add(out, batch, objective.byte_table)
+    summed = D.all_reduce_sum(totals.as_tensor(info.collective_device), info)
+    model.train(was_training)
+    return EvalTotals.from_tensor(summed, info.world_size)
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -29,10 +72,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 def load_trained(path: str | Path, device: str | torch.device = "cpu"):
     """(model in eval mode, tokenizer, TrainConfig, checkpoint dir) from a checkpoint or run directory."""
-    from seqlab.config import ModelConfig
-    from seqlab.data import load_tokenizer
-    from seqlab.model import build_model
-
     cdir = resolve_checkpoint(path)
     state, sd, _ = ckpt.load_checkpoint(cdir, load_optimizer=False)
     cfg = TrainConfig.from_dict(state["train_config"])
@@ -40,36 +79,29 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu"):
     model.load_state_dict(sd, strict=True)
     tok_path = cdir / "tokenizer.json"
     if not tok_path.is_file():
-        raise ckpt.CheckpointError(f"{tok_path}: missing; cannot evaluate without the run's tokenizer")
+        raise CheckpointError(f"{tok_path}: missing; cannot evaluate without the run's tokenizer")
     return model.to(device).eval(), load_tokenizer(tok_path), cfg, cdir
 
 
 @torch.no_grad()
 def evaluate_checkpoint(path: str | Path, data: str | None = None, split: str = "validation",
                         batch_size: int | None = None, max_batches: int | None = None, device: str = "cpu",
-                        precision: str = "fp32") -> dict[str, Any]:
-    from seqlab.data import build_dataset
-    from seqlab.eval.metrics import evaluate
-    from seqlab.objectives import build_objective
-    from seqlab.train.precision import resolve_precision
-
-    model, tok, cfg, cdir = load_trained(path, device)
+                        precision: str = "fp32", show_progress: bool = False) -> dict[str, Any]:
+    dev = resolve_device(device)
+    model, tok, cfg, cdir = load_trained(path, dev)
     objective = build_objective(cfg.objective, tok, **cfg.objective_kwargs)
-    if hasattr(objective, "setup"):
-        objective.setup(model)  # DPO: without its original reference the margin is relative to this model
-    kw = {"pack": True} if cfg.pack and cfg.objective == "clm" else {}
+    objective.setup(model)  # DPO: without its original reference the margin is relative to this model
+    kw = dataset_options(cfg)
     if data is not None:
         ds = build_dataset(cfg.objective, data, tok, cfg.seq_len, "all", cfg.seed, **kw)
     else:
         ds = build_dataset(cfg.objective, cfg.data, tok, cfg.seq_len, split, cfg.seed, **kw)
     bs = batch_size or cfg.eval_batch_size or cfg.batch_size
-    batches = (objective.collate([ds[j] for j in range(i, min(i + bs, len(ds)))]) for i in range(0, len(ds), bs))
-    prec = resolve_precision(precision, torch.device(device))
-    import contextlib
-
-    scope = objective.evaluating() if hasattr(objective, "evaluating") else contextlib.nullcontext()
-    with prec.autocast(), scope:
-        res = evaluate(model, objective, batches, device=device, max_batches=max_batches)
+    starts = range(0, len(ds), bs)
+    batches = (objective.collate([ds[j] for j in range(i, min(i + bs, len(ds)))]) for i in starts)
+    with resolve_precision(precision, dev).autocast(), objective.evaluating():
+        res = evaluate(model, objective, batches, device=dev, max_batches=max_batches, total=len(starts),
+                       show_progress=show_progress)
     res.update(checkpoint=str(cdir), objective=cfg.objective, data=data or cfg.data or "embedded default",
                split="all" if data else split, examples=len(ds))
     return res

@@ -2,8 +2,8 @@
 
 ``auto`` picks what is *fast* on the device, not what is fashionable: bf16 autocast on GPUs that support it,
 fp16 + dynamic loss scaling on older GPUs, and on CPU bf16 only when the CPU has native bf16 matmuls (AMX or
-AVX512-BF16). On an AVX2-only CPU oneDNN emulates bf16 and a matmul is tens of times *slower* than fp32
-(measured on the development machine: 26 GFLOP/s fp32 vs 0.7 GFLOP/s bf16), so auto stays in fp32 there.
+AVX512-BF16). On an AVX2-only CPU oneDNN emulates bf16 and a matmul is far *slower* than fp32 (docs/training.md
+has the measurement), so auto stays in fp32 there.
 """
 
 from __future__ import annotations

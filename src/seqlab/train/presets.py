@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from seqlab.config import ModelConfig
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(d_model=32, n_layers=2, n_heads=2, max_seq_len=256),
     "small": dict(d_model=128, n_layers=4, n_heads=4, max_seq_len=512),
@@ -21,8 +23,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 def model_config(preset: str, arch: str, tokenizer, seq_len: int, **overrides: Any):
     """A ModelConfig for ``preset`` and ``arch`` whose vocabulary and special ids come from ``tokenizer``."""
-    from seqlab.config import ModelConfig
-
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
     kw: dict[str, Any] = dict(PRESETS[preset])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -32,8 +33,6 @@ def enable_activation_checkpointing(model: nn.Module) -> int:
 
             @functools.wraps(original)
             def forward(x, inputs, *args, _original=original, **kwargs):
-                import torch
-
                 if torch.is_grad_enabled() and getattr(inputs, "cache", None) is None:
                     return checkpoint(_original, x, inputs, *args, use_reentrant=False, **kwargs)
                 return _original(x, inputs, *args, **kwargs)

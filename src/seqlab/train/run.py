@@ -5,22 +5,31 @@ benchmarks all build runs the same way.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-from seqlab.train.config import TrainConfig
+import seqlab.train.checkpoint as ckpt
+from seqlab.config import ModelConfig
+from seqlab.data import build_dataset, build_tokenizer, load_tokenizer
+from seqlab.data.readers import read_documents
+from seqlab.model import build_model
+from seqlab.objectives import build_objective, objective_class
+from seqlab.train.config import TrainConfig, read_run_config
 from seqlab.train.presets import model_config
 
-TEXT_OBJECTIVES = ("clm", "mlm")
+# Loads a model folder that is not a training checkpoint (seqlab or HF format) into a state dict. The CLI passes
+# ``seqlab.io``'s loader: io sits above train, so train cannot import it.
+FolderLoader = Callable[[Path], dict[str, torch.Tensor]]
 
 
 def default_tokenizer(objective: str) -> str:
     """BPE for natural text (more text per token, so more learning per FLOP); bytes for the small synthetic
     tasks, whose strings are short and whose BPE would have to be trained on something else."""
-    return "bpe:2048" if objective in TEXT_OBJECTIVES else "byte"
+    return "bpe:2048" if objective_class(objective).natural_text else "byte"
 
 
 @dataclass
@@ -33,28 +42,34 @@ class Run:
     val_data: Any
 
 
-def build_tokenizer_for(cfg: TrainConfig, cache_dir: str | Path | None = None):
-    """The run's tokenizer: the one saved in ``out_dir`` if present (a resumed run must reuse it exactly),
-    else built from ``cfg.tokenizer`` — BPE trained on the run's own text file when ``--data`` is a text file."""
-    from seqlab.data import build_tokenizer, load_tokenizer
-
-    saved = Path(cfg.out_dir) / "tokenizer.json"
-    if saved.is_file():
-        return load_tokenizer(saved)
+def build_tokenizer_for(cfg: TrainConfig, cache_dir: str | Path | None = None, resume: bool = False):
+    """The run's tokenizer. A resumed run reuses the one saved in ``out_dir`` (it must, exactly), after checking
+    that the saved run asked for the same tokenizer; a new run builds it from ``cfg.tokenizer``, BPE trained on the
+    run's own text when ``--data`` is natural text."""
+    out = Path(cfg.out_dir)
+    saved = out / "tokenizer.json"
     spec = cfg.tokenizer or default_tokenizer(cfg.objective)
+    if resume and saved.is_file():
+        recorded = spec
+        if (out / "config.json").is_file():
+            run = read_run_config(out)
+            recorded = run.get("tokenizer") or default_tokenizer(run.get("objective", cfg.objective))
+        if recorded != spec:
+            raise ValueError(f"{saved}: built for --tokenizer {recorded}, but this run asks for --tokenizer {spec}; "
+                             "a resumed run must keep its tokenizer")
+        return load_tokenizer(saved)
     train_texts = None
-    if spec.startswith("bpe") and cfg.data is not None and cfg.objective in TEXT_OBJECTIVES:
-        from seqlab.data.readers import read_documents
-
+    if spec.startswith("bpe") and cfg.data is not None and objective_class(cfg.objective).natural_text:
         train_texts = read_documents(cfg.data)
     return build_tokenizer(spec, train_texts=train_texts, cache_dir=cache_dir or cfg.out_dir)
 
 
-def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[Any, Any]:
-    from seqlab.data import build_dataset
+def dataset_options(cfg: TrainConfig) -> dict[str, Any]:
+    return {"pack": True} if cfg.pack and objective_class(cfg.objective).can_pack else {}
 
-    rows = cfg.seq_len  # tokens per row the model sees (a clm row of T tokens scores T-1 next tokens)
-    kw = {"pack": True} if cfg.pack and cfg.objective == "clm" else {}
+
+def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[Any, Any]:
+    rows, kw = cfg.seq_len, dataset_options(cfg)  # tokens per row the model sees
     train = build_dataset(cfg.objective, cfg.data, tokenizer, rows, "train", cfg.seed, **kw)
     if cfg.val_data is not None:
         val = build_dataset(cfg.objective, cfg.val_data, tokenizer, rows, "all", cfg.seed, **kw)
@@ -63,10 +78,9 @@ def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[Any, Any]:
     return train, val
 
 
-def load_initial_weights(model: torch.nn.Module, path: str | Path) -> None:
-    """Copy weights from a training checkpoint (or a run dir: its latest) or a seqlab/HF model folder."""
-    from seqlab.train import checkpoint as ckpt
-
+def load_initial_weights(model: torch.nn.Module, path: str | os.PathLike, load_folder: FolderLoader | None = None) -> None:
+    """Copy weights from a training checkpoint (or a run dir: its latest) or, through ``load_folder``, a
+    seqlab/HF model folder."""
     p = Path(path)
     if (p / "checkpoints").is_dir():
         latest = ckpt.latest_checkpoint(p / "checkpoints")
@@ -75,27 +89,24 @@ def load_initial_weights(model: torch.nn.Module, path: str | Path) -> None:
         p = latest
     if (p / "state.json").is_file():
         _, sd, _ = ckpt.load_checkpoint(p, load_optimizer=False)
+    elif load_folder is not None:
+        sd = load_folder(p)
     else:
-        from seqlab.io.checkpoint import load_pretrained
-
-        sd = load_pretrained(p).state_dict()
+        raise FileNotFoundError(f"--init {path}: not a seqlab training checkpoint or run directory")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
         raise ValueError(f"{path}: weights do not fit the model (missing={missing[:5]}, unexpected={unexpected[:5]}); "
                          "use the same --preset/--model settings as the run that wrote them")
 
 
-def build_run(cfg: TrainConfig) -> Run:
-    from seqlab.model import build_model
-    from seqlab.objectives import build_objective
-
+def build_run(cfg: TrainConfig, resume: bool = False, load_folder: FolderLoader | None = None) -> Run:
     torch.manual_seed(cfg.seed)
-    tokenizer = build_tokenizer_for(cfg)
+    tokenizer = build_tokenizer_for(cfg, resume=resume)
     objective = build_objective(cfg.objective, tokenizer, **cfg.objective_kwargs)
     train, val = build_datasets(cfg, tokenizer)
-    mc = model_config(cfg.preset, objective.arch, tokenizer, cfg.seq_len, **cfg.model)
+    mc: ModelConfig = model_config(cfg.preset, objective.arch, tokenizer, cfg.seq_len, **cfg.model)
     torch.manual_seed(cfg.seed)  # model init independent of how much randomness data building used
     model = build_model(mc)
     if cfg.init:
-        load_initial_weights(model, cfg.init)
+        load_initial_weights(model, cfg.init, load_folder)
     return Run(cfg, tokenizer, objective, model, train, val)

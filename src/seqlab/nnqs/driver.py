@@ -1,0 +1,132 @@
+"""The VMC driver: build the wavefunction and optimizer, run the steps, log, checkpoint, resume, evaluate.
+
+It stands on the runtime floor like the Trainer does (the logbook, the checkpoint store, the process group and the
+graceful stop); what is VMC's own is only the step (``vmc.py``) and the final evaluation (``evaluate.py``).
+Writes on rank 0, when ``out`` is given: energies.jsonl (one row per step), checkpoints/ every
+``checkpoint_every`` steps, at the end and on a stop request, convergence.png and (with a reference) error.png.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
+from seqlab.nnqs.evaluate import evaluate_energy
+from seqlab.nnqs.hamiltonian import Hamiltonian
+from seqlab.nnqs.vmc import HARTREE_TO_MHA, StepStats, VMCConfig, build_sector, initial_temperature, vmc_step
+from seqlab.nnqs.vmc_checkpoint import LOG, check_new_run, checkpoint_store, clean_stale, load_checkpoint, \
+    save_checkpoint
+from seqlab.runtime.dist import DistInfo, any_rank, barrier
+from seqlab.runtime.logbook import Logbook
+from seqlab.runtime.signals import GracefulStop
+
+CHEMICAL_ACCURACY_MHA = 1.6
+
+
+@dataclass
+class RunResult:
+    wavefunction: Wavefunction
+    records: list[dict]
+    final: dict | None  # None when a stop request ended the run early (no final evaluation)
+    wall_time_s: float
+    stopped_at: int | None = None  # completed steps when a signal stopped the run
+    checkpoint: Path | None = None  # the last checkpoint written or loaded
+
+
+def build_optimizer(wf: Wavefunction, cfg: VMCConfig) -> torch.optim.Optimizer:
+    groups = [{"params": list(wf.decoder.parameters()), "lr_scale": 1.0},
+              {"params": list(wf.phase_net.parameters()), "lr_scale": cfg.phase_lr_scale}]
+    if cfg.sr:  # the natural-gradient direction is already preconditioned: plain steps along it
+        return torch.optim.SGD(groups, lr=cfg.lr)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+
+def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None, out: str | Path | None = None,
+            dist: DistInfo | None = None, e_ref: float | None = None, resume: bool = False,
+            callback: Callable[[StepStats], None] | None = None, title: str = "NNQS", *,
+            references: dict[str, float | None] | None = None, tensorboard: str | Path | None = None,
+            stop: GracefulStop | None = None) -> RunResult:
+    """Train a fresh (or resumed) wavefunction for ``cfg.steps`` steps, then evaluate its energy.
+
+    ``e_ref`` (FCI) adds ``error_mha`` to every row; ``references`` ({"HF": e, "CCSD(T)": e, ...}) are drawn as
+    levels in the plots. When ``stop.requested`` turns true (a signal), the run finishes its step, checkpoints it
+    and returns with ``stopped_at`` set and no final evaluation. ``callback(stats)`` follows every step.
+    """
+    dist = dist or DistInfo()
+    if cfg.sr and dist.world_size > 1:
+        raise ValueError("VMCConfig.sr: stochastic reconfiguration is implemented for one process only")
+    out = Path(out) if out is not None else None
+    torch.manual_seed(cfg.seed)  # identical initial parameters on every rank
+    wf = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta, ansatz)
+    opt = build_optimizer(wf, cfg)
+    store = checkpoint_store(out, cfg.keep_last) if out is not None else None
+    start_step, t0, checkpoint = 0, None, None
+    if store is not None:
+        check_new_run(out, resume)
+        barrier(dist)  # every rank has looked at ``out`` before the main rank writes into it
+        if dist.is_main:
+            clean_stale(out)
+        checkpoint = store.latest() if resume else None
+        if checkpoint is not None:
+            start_step, t0 = load_checkpoint(store, checkpoint, wf, opt)
+    t_start = time.perf_counter()
+    if t0 is None:
+        t0 = initial_temperature(wf, ham, cfg, dist)
+    sector = build_sector(ham, cfg, dist)
+    log = Logbook(out / LOG if out is not None else Path(LOG), resume_step=start_step - 1 if start_step else None,
+                  tensorboard_dir=tensorboard, enabled=out is not None and dist.is_main)
+    records = log.rows() if log.enabled else []
+    vmc_state = json.loads(json.dumps(asdict(cfg), default=str))
+    stopped_at = None
+    with log:
+        for step in range(start_step, cfg.steps):
+            st = vmc_step(wf, ham, opt, cfg, step, dist, t0, sector)
+            rec = asdict(st)
+            rec["wall_time_s"] = time.perf_counter() - t_start
+            if e_ref is not None:
+                rec["error_mha"] = (st.energy - e_ref) * HARTREE_TO_MHA
+                rec["abs_error_mha"] = abs(rec["error_mha"])
+            records.append(rec)
+            log.append(rec)
+            if callback is not None:
+                callback(st)
+            done = step + 1
+            stopping = stop is not None and any_rank(stop.requested, dist)  # every rank leaves at the same step
+            if store is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping):
+                if dist.is_main:
+                    checkpoint = save_checkpoint(store, wf, opt, done, t0, vmc_state)
+            if stopping:
+                stopped_at = done
+                break
+    if out is not None and dist.is_main and records:
+        plot_convergence(log, out, references or {}, e_ref, title)
+    if stopped_at is not None:
+        return RunResult(wf, records, None, time.perf_counter() - t_start, stopped_at, checkpoint)
+    final = evaluate_energy(wf, ham, cfg, dist)
+    return RunResult(wf, records, final, time.perf_counter() - t_start, None, checkpoint)
+
+
+def plot_convergence(log: Logbook, out: Path, references: dict[str, float | None], e_ref: float | None,
+                     title: str) -> None:
+    """convergence.png: every step's energy (no clipped start) with the reference levels; error.png: |E - FCI|.
+
+    The energy axis must hold the first steps (Hartree or more above FCI) and the references (mHa apart) at
+    once, so the error plot's log axis is where the end of a run can be read.
+    """
+    levels = {name: e for name, e in references.items() if e is not None}
+    if e_ref is not None:
+        levels.setdefault("FCI", e_ref)
+    # the labels carry the values: the reference lines share one style, so the axis tells them apart
+    log.plot(out / "convergence.png", "step", ["energy"], "energy (Ha)", title,
+             hlines={f"{name} {e:.6f}": e for name, e in levels.items()})
+    if e_ref is not None:
+        errors = {name: abs(e - e_ref) * HARTREE_TO_MHA for name, e in levels.items()}
+        errors = {f"{name} error {v:.3g} mHa": v for name, v in errors.items() if v > 1e-6}
+        errors[f"chemical accuracy {CHEMICAL_ACCURACY_MHA} mHa"] = CHEMICAL_ACCURACY_MHA
+        log.plot(out / "error.png", "step", ["abs_error_mha"], "|E - E_FCI| (mHa)", title, hlines=errors, logy=True)

@@ -1,0 +1,139 @@
+"""PySCF on the user's molecule: mean field, MO integrals -> Hamiltonian, and the reference energies.
+
+References come from PySCF on the *same* molecular orbitals the Hamiltonian is built from: HF, CCSD, CCSD(T) and FCI.
+FCI asks for several roots because Davidson can land on an excited state (C2 is the classic case) and because the
+determinant space with fixed (N_alpha, N_beta) also holds higher-spin states; the reference is the lowest root whose
+<S^2> matches the requested spin.
+
+pyscf is imported inside the functions that need it: it is an optional heavy dependency (the nnqs extra).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from seqlab.nnqs.hamiltonian import Hamiltonian, mo_integrals
+from seqlab.nnqs.molecules import Molecule, MoleculeError
+
+
+def build_pyscf(mol: Molecule):
+    """pyscf.gto.Mole for ``mol``; the number of orbitals is checked against N_alpha here."""
+    from pyscf import gto  # optional heavy dependency (see the module docstring)
+
+    try:
+        pmol = gto.M(atom=mol.atom_string(), basis=mol.basis, charge=mol.charge, spin=mol.spin,
+                     unit=mol.unit, verbose=0)
+    except (RuntimeError, KeyError, ValueError) as e:  # PySCF reports unknown basis sets etc. this way
+        raise MoleculeError(f"PySCF rejected {mol.name} (basis {mol.basis!r}): {e}") from e
+    if mol.n_alpha > pmol.nao:
+        raise MoleculeError(
+            f"{mol.name}: {mol.n_alpha} alpha electrons do not fit into {pmol.nao} orbitals of basis {mol.basis!r}"
+        )
+    return pmol
+
+
+def run_scf(pmol, conv_tol: float = 1e-10):
+    """RHF for closed shells, ROHF otherwise (one set of orbitals for both spins, as the pair tokens assume)."""
+    from pyscf import scf  # optional heavy dependency (see the module docstring)
+
+    mf = scf.RHF(pmol) if pmol.spin == 0 else scf.ROHF(pmol)
+    mf.conv_tol = conv_tol
+    mf.kernel()
+    if not mf.converged:  # second-order solver rescues the usual stragglers
+        mf = mf.newton()
+        mf.kernel()
+    if not mf.converged:
+        warnings.warn(f"SCF did not converge for {pmol.atom}; energies are relative to unconverged orbitals")
+    return mf
+
+
+@dataclass
+class References:
+    e_hf: float | None = None
+    e_ccsd: float | None = None
+    e_ccsd_t: float | None = None
+    e_fci: float | None = None
+    e_fci_sector: float | None = None  # lowest eigenvalue with these N_alpha, N_beta (any total spin)
+    fci_roots: list[float] = field(default_factory=list)
+    fci_s2: list[float] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+FCI_MAX_DETERMINANTS = 5_000_000
+
+
+def reference_energies(mf, h1: np.ndarray, eri: np.ndarray, e_nuc: float, nelec: tuple[int, int],
+                       fci: bool = True, cc: bool = True, n_roots: int = 4) -> References:
+    """HF, CCSD, CCSD(T) and FCI (lowest root of the right spin among ``n_roots``) for the given integrals."""
+    from pyscf import cc as pcc  # optional heavy dependency (see the module docstring)
+    from pyscf import fci as pfci
+
+    ref = References(e_hf=float(mf.e_tot))
+    norb = h1.shape[0]
+    if cc:
+        try:
+            mycc = pcc.CCSD(mf)
+            mycc.verbose = 0
+            mycc.kernel()
+            ref.e_ccsd = float(mycc.e_tot)
+            if not mycc.converged:
+                ref.notes.append("CCSD did not converge")
+            ref.e_ccsd_t = float(mycc.e_tot + mycc.ccsd_t()) if sum(nelec) > 2 else ref.e_ccsd
+        except Exception as e:  # CC failing must not stop the NNQS run; the table shows null
+            ref.notes.append(f"CCSD failed: {e}")
+    dim = math.comb(norb, nelec[0]) * math.comb(norb, nelec[1])
+    if fci and dim <= FCI_MAX_DETERMINANTS:
+        solver = pfci.direct_spin1.FCI()
+        solver.conv_tol = 1e-12
+        solver.max_cycle = 500
+        solver.verbose = 0
+        nroots = min(n_roots, dim)
+        e, ci = solver.kernel(h1, eri, norb, nelec, ecore=e_nuc, nroots=nroots)
+        e, ci = (np.atleast_1d(e), ci if nroots > 1 else [ci])
+        s = abs(nelec[0] - nelec[1]) / 2
+        ss = [float(pfci.spin_op.spin_square0(c, norb, nelec)[0]) for c in ci]
+        ref.fci_roots, ref.fci_s2 = [float(v) for v in e], ss
+        ref.e_fci_sector = float(min(e))
+        good = [float(ei) for ei, si in zip(e, ss) if abs(si - s * (s + 1)) < 1e-3]
+        if good:
+            ref.e_fci = min(good)
+        else:
+            ref.notes.append(f"no FCI root among {nroots} has S={s}; e_fci is null")
+        if ref.e_fci is not None and ref.e_fci_sector < ref.e_fci - 1e-8:
+            ref.notes.append(
+                f"a state of different total spin lies below the S={s} ground state "
+                f"({ref.e_fci_sector:.8f} < {ref.e_fci:.8f}); NNQS (fixed N_alpha, N_beta) can go below e_fci"
+            )
+    elif fci:
+        ref.notes.append(f"FCI skipped: {dim} determinants > {FCI_MAX_DETERMINANTS}")
+    return ref
+
+
+@dataclass
+class System:
+    """Everything the NNQS run needs about one molecule: the input, the Hamiltonian and the references."""
+
+    molecule: Molecule
+    hamiltonian: Hamiltonian
+    references: References
+    mf: object = None
+
+    @property
+    def n_orb(self) -> int:
+        return self.hamiltonian.n_orb
+
+
+def prepare(mol: Molecule, fci: bool = True, cc: bool = True, n_roots: int = 4) -> System:
+    """SCF -> MO integrals -> Hamiltonian, plus reference energies on the same orbitals."""
+    mf = run_scf(build_pyscf(mol))
+    h1, eri, e_nuc = mo_integrals(mf)
+    ham = Hamiltonian(h1, eri, e_nuc, mol.n_alpha, mol.n_beta)
+    refs = reference_energies(mf, h1, eri, e_nuc, (mol.n_alpha, mol.n_beta), fci=fci, cc=cc, n_roots=n_roots)
+    return System(mol, ham, refs, mf)

@@ -1,0 +1,119 @@
+"""VMC checkpoints on the runtime's store, and the files that make a folder an NNQS run.
+
+One checkpoint is ``OUT/checkpoints/step_XXXXXXXX/`` with model.safetensors, optimizer.safetensors (AdamW moments
+and step count as tensors, never a pickle) and state.json (step, annealing T0, RNG state, configs, sha256 of each
+file). The store writes it under a temporary name and renames it once, so a kill at any moment leaves the previous
+checkpoint or the new one, never a model one step ahead of its optimizer. Everything a step depends on is in it,
+so a resumed run continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from seqlab.nnqs.ansatz import Wavefunction
+from seqlab.runtime.errors import CheckpointError
+from seqlab.runtime.rng import capture_rng, restore_rng
+from seqlab.runtime.store import CheckpointStore, load_optimizer_state, optimizer_state_to_tensors
+
+KIND = "seqlab-nnqs-checkpoint"
+CHECKPOINTS = "checkpoints"
+LEGACY_CHECKPOINT = "checkpoint"  # the non-atomic layout of earlier versions (model, optimizer.pt, state.json)
+LOG = "energies.jsonl"
+RUN_FILES = (LOG, "result.json", "convergence.png", "error.png")
+
+
+def checkpoint_store(out: Path, keep_last: int | None) -> CheckpointStore:
+    return CheckpointStore(out / CHECKPOINTS, keep_last, kind=KIND)
+
+
+def save_checkpoint(store: CheckpointStore, wf: Wavefunction, opt: torch.optim.Optimizer, step: int, t0: float,
+                    vmc: dict[str, Any]) -> Path:
+    """Checkpoint after ``step`` completed steps (call on the main rank only)."""
+    opt_tensors, opt_meta = optimizer_state_to_tensors(opt)
+    state = {**wf.config_dict(), "t0": t0, "vmc": vmc, "optimizer": opt_meta, "rng": capture_rng()}
+    return store.save(step, {"model": dict(wf.state_dict()), "optimizer": opt_tensors}, state)
+
+
+def load_checkpoint(store: CheckpointStore, path: Path, wf: Wavefunction, opt: torch.optim.Optimizer
+                    ) -> tuple[int, float]:
+    """Restore model, optimizer and RNG from ``path`` (sha256-verified); returns (completed steps, T0)."""
+    tensors, state = store.load(path)
+    where = path / "state.json"
+    found = (state.get("n_orb"), state.get("n_alpha"), state.get("n_beta"))
+    if found != (wf.n_orb, wf.n_alpha, wf.n_beta):
+        raise CheckpointError(f"{where}: checkpoint is for a different molecule (n_orb, N_alpha, N_beta) = {found}, "
+                              f"not {(wf.n_orb, wf.n_alpha, wf.n_beta)}")
+    if state.get("ansatz") != asdict(wf.cfg):
+        raise CheckpointError(f"{where}: checkpoint ansatz {state.get('ansatz')} != requested {asdict(wf.cfg)}")
+    wf.load_state_dict(tensors["model"])
+    load_optimizer_state(opt, tensors["optimizer"], state["optimizer"])
+    restore_rng(state["rng"])
+    return int(state["step"]), float(state["t0"])
+
+
+def existing_run(out: Path) -> Path | None:
+    """The first file or folder that shows ``out`` already holds an NNQS run (None for a fresh folder)."""
+    latest = checkpoint_store(out, None).latest()
+    if latest is not None:
+        return latest
+    for name in (LEGACY_CHECKPOINT, *RUN_FILES):
+        if (out / name).exists():
+            return out / name
+    return None
+
+
+def check_new_run(out: Path, resume: bool) -> None:
+    """Refuse to mix two runs in one folder: a new run needs a fresh ``out`` (or ``--resume``, or ``--overwrite``)."""
+    found = existing_run(out)
+    if not resume and found is not None:
+        raise ValueError(f"--out {out}: already holds a run ({found}); use --resume to continue it, or --overwrite "
+                         f"to move it aside and start a new one")
+    if not resume:
+        return
+    store = checkpoint_store(out, None)
+    latest = store.latest()
+    if latest is not None:
+        store.read_state(latest)  # a checkpoint of another kind (a training run) is refused before any work
+    elif (out / LEGACY_CHECKPOINT).exists():
+        raise ValueError(f"{out / LEGACY_CHECKPOINT}: a checkpoint of the older, non-atomic layout cannot be "
+                         f"resumed; start a new run with another --out")
+
+
+def move_aside(out: Path) -> Path | None:
+    """For ``--overwrite``: rename a run in ``out`` to ``<out>.old-<UTC time>`` (nothing is deleted)."""
+    if existing_run(out) is None:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    moved, n = out.with_name(f"{out.name}.old-{stamp}"), 1
+    while moved.exists():
+        moved, n = out.with_name(f"{out.name}.old-{stamp}-{n}"), n + 1
+    os.rename(out, moved)
+    return moved
+
+
+def _is_stray_temp(name: str) -> bool:
+    """Temporary names of atomic writes (runtime.files, logbook plots) of this run's own files."""
+    if name.startswith(".write-test-"):
+        return True
+    return any(name.startswith((f".{f}.", f".{Path(f).stem}.tmp-")) for f in RUN_FILES) and ".tmp" in name
+
+
+def clean_stale(out: Path) -> list[Path]:
+    """Remove what killed runs left behind: temporary step directories and half-written files (main rank)."""
+    removed = checkpoint_store(out, None).clean_stale()
+    for folder, legacy in ((out, False), (out / LEGACY_CHECKPOINT, True)):
+        if not folder.is_dir():
+            continue
+        for p in folder.iterdir():
+            legacy_temp = legacy and p.name.startswith((".model.", ".optimizer.", ".state.json."))
+            if p.is_file() and (legacy_temp or (not legacy and _is_stray_temp(p.name))):
+                p.unlink(missing_ok=True)
+                removed.append(p)
+    return removed

@@ -1,0 +1,97 @@
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from seqlab.runtime import dist
+from seqlab.runtime.logbook import Logbook
+from seqlab.runtime.signals import GracefulStop
+
+
+def test_logbook_appends_truncates_on_resume_and_plots(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with Logbook(path) as log:
+        for s in range(1, 6):
+            log.append({"step": s, "loss": 1.0 / s, "val": float("nan") if s == 2 else None})
+    assert [r["step"] for r in Logbook(path, resume_step=3).rows()] == [1, 2, 3]
+    assert json.loads(path.read_text().splitlines()[1])["val"] is None  # NaN is not JSON: written as null
+    with open(path, "a") as f:
+        f.write('{"step": 4, "lo')  # a torn last line from a crash
+    log = Logbook(path, resume_step=3)
+    log.append({"step": 4, "loss": 0.2})
+    assert [r["step"] for r in log.rows()] == [1, 2, 3, 4]
+    png = log.plot(tmp_path / "curve.png", "step", ["loss"], "loss (nats)", "t", hlines={"target": 0.1})
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert log.plot(tmp_path / "none.png", "step", ["absent"], "y") is None
+    assert Logbook(path).rows() == []  # a new log starts empty
+
+
+def test_logbook_mirrors_numbers_to_tensorboard(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with Logbook(tmp_path / "m.jsonl", tensorboard_dir=tmp_path / "tb") as log:
+        for s in (1, 2):
+            log.append({"step": s, "loss": 3.0 - s, "note": "text is not mirrored"})
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert acc.Tags()["scalars"] == ["loss"]
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 2.0), (2, 1.0)]
+
+
+def test_graceful_stop_first_signal_requests_second_interrupts():
+    with GracefulStop() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested and stop.exit_code == 143
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handlers restored on exit
+
+
+def test_single_process_dist_is_a_no_op():
+    info = dist.init_distributed(device="cpu")
+    assert (info.rank, info.world_size, info.is_main, info.active) == (0, 1, True, False)
+    t = torch.tensor([2.0])
+    assert dist.all_reduce_sum(t, info) is t and dist.all_reduce_mean(t, info).item() == 2.0
+    assert dist.gather_bytes(b"abc", info) == [b"abc"] and dist.any_rank(True, info)
+    dist.barrier(info)
+    dist.shutdown(info)
+
+
+def test_asking_for_a_missing_gpu_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="--device cuda: this torch sees no CUDA GPU"):
+        dist.resolve_device("cuda")
+
+
+def _two_rank_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    info = dist.init_distributed(device="cpu")
+    got = {
+        "sum": dist.all_reduce_sum(torch.tensor([rank + 1.0]), info).item(),
+        "mean": dist.all_reduce_mean(torch.tensor([rank + 1.0]), info).item(),
+        "gather": [b.decode() for b in dist.gather_bytes(b"r" * (rank + 1), info)],
+        "any": dist.any_rank(rank == 1, info),
+        "bcast": dist.broadcast_float(float(rank + 7), info),
+    }
+    dist.barrier(info)
+    dist.shutdown(info)
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(got, f)
+
+
+def test_two_gloo_ranks_agree(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_two_rank_worker, args=(port, str(tmp_path / "r")), nprocs=2)
+    for rank in (0, 1):
+        got = json.loads((tmp_path / f"r.{rank}").read_text())
+        assert got == {"sum": 3.0, "mean": 1.5, "gather": ["r", "rr"], "any": True, "bcast": 7.0}

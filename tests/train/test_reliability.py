@@ -1,0 +1,131 @@
+"""Nothing lost on a mistake or a signal: one run per directory, checkpoints on SIGTERM, leftovers cleaned, and
+evaluation that gives one answer whoever computes it."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from seqlab.cli import main
+from seqlab.eval.metrics import evaluate
+from seqlab.runtime.logbook import Logbook
+from seqlab.train import checkpoint as ckpt
+from tests.train.conftest import TEXT, make_trainer
+
+TINY = ["--preset", "tiny", "--tokenizer", "byte", "--batch-size", "2", "--seq-len", "32", "--no-progress",
+        "--log-interval", "1", "--eval-batches", "1", "--warmup-steps", "1"]
+
+
+def _tree(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_a_new_run_never_mixes_with_an_old_one(tmp_path, capsys):
+    run = tmp_path / "R"
+    assert main(["train", *TINY, "--max-steps", "4", "--ckpt-interval", "2", "--out", str(run)]) == 0
+    before = _tree(run)
+    capsys.readouterr()
+    assert main(["train", *TINY, "--max-steps", "2", "--out", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--resume" in err[0] and "--overwrite" in err[0]
+    assert _tree(run) == before  # refused before anything was written
+
+    assert main(["train", *TINY, "--max-steps", "2", "--ckpt-interval", "1", "--out", str(run), "--overwrite"]) == 0
+    (old,) = tmp_path.glob("R.old-*")
+    assert _tree(old) == before  # moved aside whole, not deleted
+    assert [s for s, _ in ckpt.list_checkpoints(run / "checkpoints")] == [1, 2]
+    assert [r["step"] for r in Logbook(run / "metrics.jsonl", resume_step=10**9).rows()] == [1, 2]
+
+
+def test_resume_refuses_a_tokenizer_that_disagrees_with_the_config(tmp_path, capsys):
+    run = tmp_path / "R"
+    assert main(["train", *TINY, "--max-steps", "1", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "--tokenizer", "bpe:300", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "tokenizer.json: built for --tokenizer byte" in err and "bpe:300" in err
+
+
+def test_leftovers_of_killed_saves_are_removed_at_start(tmp_path):
+    make_trainer(tmp_path, steps=2).fit()
+    stale = tmp_path / "run" / "checkpoints" / ".tmp-step_00000003-4242"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half a file")
+    t = make_trainer(tmp_path, steps=3, resume=True)
+    assert not stale.exists() and t.step == 2
+
+
+def test_max_steps_below_warmup_warns(tmp_path, capsys):
+    make_trainer(tmp_path, steps=2, warmup_steps=5)
+    assert "--max-steps 2 is below --warmup-steps 5" in capsys.readouterr().err
+    make_trainer(tmp_path, out="ok", steps=6, warmup_steps=2)
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_sigterm_checkpoints_the_current_step_and_exits_143(tmp_path):
+    run = tmp_path / "R"
+    proc = subprocess.Popen([sys.executable, "-m", "seqlab", "train", *TINY, "--max-steps", "100000",
+                             "--ckpt-interval", "0", "--eval-interval", "0", "--out", str(run)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").is_file() else []
+            if len(lines) >= 2:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err
+    assert "Traceback" not in err and "--resume" in err
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    latest = ckpt.latest_checkpoint(run / "checkpoints")
+    assert latest is not None and latest.name == f"step_{last:08d}"  # the step it was on, not an older one
+    assert 2 <= last < 100000
+    state, _, _ = ckpt.load_checkpoint(latest)
+    assert state["trainer"]["step"] == last
+
+
+def test_tensorboard_mirrors_the_metrics(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run, tb = tmp_path / "R", tmp_path / "tb"
+    assert main(["train", *TINY, "--max-steps", "3", "--out", str(run), "--tensorboard", str(tb)]) == 0
+    acc = EventAccumulator(str(tb))
+    acc.Reload()
+    logged = [(r["step"], r["loss"]) for r in Logbook(run / "metrics.jsonl", resume_step=10**9).rows()]
+    assert [(e.step, pytest.approx(e.value, rel=1e-6)) for e in acc.Scalars("loss")] == logged
+    assert "val_loss" in acc.Tags()["scalars"]
+
+
+def test_trainer_and_seqlab_eval_give_one_answer(tmp_path):
+    t = make_trainer(tmp_path, steps=2)
+    t.fit()
+    mine = t.evaluate()
+    rows = t.val_data
+    batches = [t.objective.collate(rows[i:i + 4]) for i in range(0, len(rows), 4)]
+    theirs = evaluate(t.raw_model, t.objective, batches)
+    assert mine["val_targets"] == theirs["n_targets"] and mine["val_bytes"] == theirs["n_bytes"]
+    for a, b in (("val_loss", "loss"), ("val_ppl", "perplexity"), ("val_bpb", "bits_per_byte")):
+        assert mine[a] == pytest.approx(theirs[b], rel=1e-12)  # same sums, same formulas
+
+
+def test_dpo_has_no_perplexity_and_its_plot_says_dpo(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(Logbook, "plot", lambda self, png, x, ys, ylabel, *a, **k: seen.setdefault("ylabel", ylabel))
+    words = TEXT.split()
+    data = [{"prompt": " ".join(words[i:i + 4]), "chosen": words[i + 4], "rejected": words[i + 5][::-1]}
+            for i in range(0, 80, 5)]
+    t = make_trainer(tmp_path, objective="dpo", data=data, steps=1, plot=True)
+    res = t.fit()
+    assert "val_loss" in res.eval and not {"val_ppl", "val_bpb"} & res.eval.keys()
+    assert seen["ylabel"].startswith("DPO loss")
+    assert torch.isfinite(torch.tensor(res.loss))
