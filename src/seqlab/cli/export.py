@@ -1,0 +1,89 @@
+"""``seqlab export``: write a run's model (or any seqlab / HF model folder) as a Hugging Face folder or a GGUF file.
+
+    seqlab export runs/sft --format hf --out exported/          # AutoModelForCausalLM / AutoTokenizer load it
+    seqlab export runs/sft --format gguf --out model.gguf --weights q8_0
+
+A run directory resolves to its latest checkpoint; a checkpoint is verified (sha256 of its files) before export.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+_WEIGHT_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")  # seqlab.io.export_gguf.WEIGHT_TYPES (kept light here)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "export", help="export a run/checkpoint as a Hugging Face folder or a GGUF file",
+        description="Write the model of RUN_OR_CHECKPOINT (a training run directory: its latest checkpoint; a "
+                    "checkpoint directory; or a seqlab/HF model folder) in a format other tools load: "
+                    "--format hf (config.json, model.safetensors, generation_config.json, tokenizer.json, "
+                    "tokenizer_config.json with the chat template) or --format gguf (llama architecture).")
+    p.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="run directory, checkpoint directory or model folder")
+    p.add_argument("--format", required=True, choices=("hf", "gguf"), help="output format")
+    p.add_argument("--out", required=True, help="output folder (hf) or .gguf file (gguf)")
+    p.add_argument("--weights", choices=_WEIGHT_TYPES, default="f32",
+                   help="GGUF weight type (default f32); 1-D tensors stay f32")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.set_defaults(func=run)
+
+
+def resolve_model_dir(source: str | Path) -> Path:
+    """A run directory -> its latest checkpoint; a training checkpoint is verified against its sha256 list."""
+    from seqlab.train import checkpoint as ckpt
+
+    path = Path(source)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such directory (expected a run, checkpoint or model folder)")
+    if (path / "checkpoints").is_dir():
+        latest = ckpt.latest_checkpoint(path / "checkpoints")
+        if latest is None:
+            raise FileNotFoundError(f"{path / 'checkpoints'}: no complete checkpoint to export")
+        path = latest
+    if (path / "state.json").is_file():
+        ckpt.verify(path, ckpt.read_state(path))
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path / 'config.json'}: missing; {path} is not a model folder or checkpoint")
+    return path
+
+
+def find_tokenizer(model_dir: Path):
+    """The tokenizer saved beside the weights, else the run directory's (two levels up from a checkpoint)."""
+    from seqlab.data.tokenizers import load_tokenizer
+
+    for folder in (model_dir, model_dir.parent.parent):
+        if (folder / "tokenizer.json").is_file():
+            return load_tokenizer(folder / "tokenizer.json")
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from seqlab.io.checkpoint import load_pretrained
+
+    model_dir = resolve_model_dir(args.source)
+    model = load_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = find_tokenizer(model_dir)
+    if tokenizer is None:
+        print(f"seqlab export: warning: no tokenizer.json next to {model_dir}; exporting the model only",
+              file=sys.stderr)
+    if args.format == "hf":
+        from seqlab.io.export_hf import export_hf
+        from seqlab.io.export_tokenizer import write_tokenizer_files
+
+        eot = tokenizer.eot_id if tokenizer is not None else None
+        out = export_hf(model, args.out, eot_id=eot if eot != model.config.eos_token_id else None)
+        if tokenizer is not None:
+            write_tokenizer_files(tokenizer, out, max_length=model.config.max_seq_len)
+    else:
+        from seqlab.io.export_gguf import export_gguf
+
+        if args.out.endswith("/") or Path(args.out).is_dir():
+            raise ValueError(f"--out {args.out}: --format gguf writes one file (e.g. model.gguf), not a folder")
+        out = export_gguf(model, args.out, tokenizer, weight_type=args.weights, name=Path(args.source).name)
+    print(f"exported {model_dir} -> {out} ({args.format})")
+    return 0
