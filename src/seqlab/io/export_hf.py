@@ -180,16 +180,18 @@ def _post_norm_family(cfg: ModelConfig, fam: str, arch: str, pos_offset: int) ->
 
 
 def _bert_family(cfg: ModelConfig) -> str:
+    family = _post_norm_family(cfg, "bert", "encoder", 0)
     _require(cfg.mlm_head_transform, "mlm_head_transform", cfg.mlm_head_transform, "bert", "BERT's MLM head has one")
     _require(not cfg.scale_embeddings, "scale_embeddings", cfg.scale_embeddings, "bert", "BERT does not scale")
-    return _post_norm_family(cfg, "bert", "encoder", 0)
+    return family
 
 
 def _bart_family(cfg: ModelConfig) -> str:
+    family = _post_norm_family(cfg, "bart", "encoder_decoder", 2)
     _require(cfg.norm_eps == 1e-5, "norm_eps", cfg.norm_eps, "bart", "BART's LayerNorms use 1e-5")
     _require(cfg.tie_embeddings, "tie_embeddings", cfg.tie_embeddings, "bart", "BART ties its LM head")
     _require(not cfg.mlm_head_transform, "mlm_head_transform", cfg.mlm_head_transform, "bart", "BART has none")
-    return _post_norm_family(cfg, "bart", "encoder_decoder", 2)
+    return family
 
 
 def bert_hf_config(cfg: ModelConfig, model_type: str) -> dict:
