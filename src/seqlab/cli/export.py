@@ -60,12 +60,29 @@ def find_tokenizer(model_dir: Path):
     return None
 
 
+def check_exportable(model_dir: Path, fmt: str) -> None:
+    """Refuse an inexpressible configuration from config.json alone, before any weights are read."""
+    from seqlab.config import ModelConfig
+    from seqlab.io.checkpoint import FORMAT, read_config_json
+    from seqlab.io.export_gguf import check_exportable as check_gguf
+    from seqlab.io.export_hf import hf_family
+    from seqlab.io.hf import config_from_hf
+
+    doc = read_config_json(model_dir / "config.json")
+    cfg = ModelConfig.from_dict(doc.get("config", {})) if doc.get("format") == FORMAT else config_from_hf(doc)
+    if fmt == "gguf":
+        check_gguf(cfg)
+    else:
+        hf_family(cfg)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from seqlab.io.checkpoint import load_pretrained
 
     model_dir = resolve_model_dir(args.source)
+    check_exportable(model_dir, args.format)
     model = load_pretrained(model_dir, dtype=torch.float32)
     tokenizer = find_tokenizer(model_dir)
     if tokenizer is None:

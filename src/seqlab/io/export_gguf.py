@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from torch import Tensor, nn
 
-from seqlab.io.export_hf import ExportError, hf_family, to_hf
+from seqlab.io.export_hf import ExportError, llama_model_type, to_hf
 from seqlab.io.export_tokenizer import tokenizer_backend
 
 WEIGHT_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
@@ -62,10 +62,7 @@ def rope_permutation(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 def check_exportable(cfg) -> None:
     """GGUF's ``llama`` architecture: what the HF Llama export accepts, minus the knobs llama.cpp's llama lacks."""
-    family, model_type = hf_family(cfg)
-    if family != "llama":
-        raise ExportError(f"cannot export as GGUF llama: ModelConfig.pos={cfg.pos!r}, norm={cfg.norm!r}, "
-                          f"mlp={cfg.mlp!r} is a {family} model (GGUF export needs a RoPE/RMSNorm/SwiGLU decoder)")
+    llama_model_type(cfg, fam="GGUF llama")
     if cfg.qk_norm:
         raise ExportError("cannot export as GGUF llama: ModelConfig.qk_norm=True (Qwen3's q/k norms)")
     if cfg.attn_head_dim is not None:

@@ -33,7 +33,7 @@ class ExportError(ValueError):
 
 def _require(cond: bool, field: str, value, family: str, why: str) -> None:
     if not cond:
-        raise ExportError(f"cannot export as Hugging Face {family}: ModelConfig.{field}={value!r} ({why})")
+        raise ExportError(f"cannot export as {family}: ModelConfig.{field}={value!r} ({why})")
 
 
 def _zero_or_refuse(sd: dict, name: str, field: str, family: str) -> None:
@@ -52,8 +52,8 @@ def _ids(cfg: ModelConfig) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- Llama
-def _llama_family(cfg: ModelConfig) -> str:
-    fam = "llama"
+def llama_model_type(cfg: ModelConfig, fam: str = "Hugging Face llama") -> str:
+    """``llama``, ``qwen2`` or ``qwen3``; ExportError naming the first field a Llama cannot have."""
     _require(cfg.arch == "decoder", "arch", cfg.arch, fam, "Llama is a decoder")
     for field, want in (("pos", "rope"), ("norm", "rmsnorm"), ("mlp", "swiglu"), ("activation", "silu"),
                         ("pre_norm", True), ("final_norm", True), ("embed_norm", False), ("scale_embeddings", False),
@@ -127,7 +127,7 @@ _GPT2_ACT = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "s
 
 
 def _gpt2_family(cfg: ModelConfig) -> str:
-    fam = "gpt2"
+    fam = "Hugging Face gpt2"
     _require(cfg.arch == "decoder", "arch", cfg.arch, fam, "GPT-2 is a decoder")
     for field, want in (("pos", "learned"), ("pos_offset", 0), ("norm", "layernorm"), ("mlp", "gelu"),
                         ("pre_norm", True), ("final_norm", True), ("embed_norm", False), ("scale_embeddings", False),
@@ -135,7 +135,7 @@ def _gpt2_family(cfg: ModelConfig) -> str:
                         ("qk_norm", False), ("attn_head_dim", None), ("n_kv_heads", cfg.n_heads)):
         _require(getattr(cfg, field) == want, field, getattr(cfg, field), fam, f"GPT-2 needs {want!r}")
     _require(cfg.activation in _GPT2_ACT, "activation", cfg.activation, fam, "no GPT-2 equivalent")
-    return fam
+    return "gpt2"
 
 
 def gpt2_hf_config(cfg: ModelConfig, model_type: str) -> dict:
@@ -168,7 +168,8 @@ def gpt2_hf_weights(cfg: ModelConfig, sd: dict, model_type: str) -> dict[str, Te
 _BERT_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "silu": "silu"}
 
 
-def _post_norm_family(cfg: ModelConfig, fam: str, arch: str, pos_offset: int) -> str:
+def _post_norm_family(cfg: ModelConfig, family: str, arch: str, pos_offset: int) -> str:
+    fam = f"Hugging Face {family}"
     _require(cfg.arch == arch, "arch", cfg.arch, fam, f"{fam} is an {arch}")
     for field, want in (("pos", "learned"), ("pos_offset", pos_offset), ("norm", "layernorm"), ("mlp", "gelu"),
                         ("pre_norm", False), ("final_norm", False), ("embed_norm", True), ("bias", True),
@@ -176,21 +177,21 @@ def _post_norm_family(cfg: ModelConfig, fam: str, arch: str, pos_offset: int) ->
                         ("n_kv_heads", cfg.n_heads)):
         _require(getattr(cfg, field) == want, field, getattr(cfg, field), fam, f"{fam} needs {want!r}")
     _require(cfg.activation in _BERT_ACT, "activation", cfg.activation, fam, "no equivalent")
-    return fam
+    return family
 
 
 def _bert_family(cfg: ModelConfig) -> str:
-    family = _post_norm_family(cfg, "bert", "encoder", 0)
-    _require(cfg.mlm_head_transform, "mlm_head_transform", cfg.mlm_head_transform, "bert", "BERT's MLM head has one")
-    _require(not cfg.scale_embeddings, "scale_embeddings", cfg.scale_embeddings, "bert", "BERT does not scale")
+    family, fam = _post_norm_family(cfg, "bert", "encoder", 0), "Hugging Face bert"
+    _require(cfg.mlm_head_transform, "mlm_head_transform", cfg.mlm_head_transform, fam, "BERT's MLM head has one")
+    _require(not cfg.scale_embeddings, "scale_embeddings", cfg.scale_embeddings, fam, "BERT does not scale")
     return family
 
 
 def _bart_family(cfg: ModelConfig) -> str:
-    family = _post_norm_family(cfg, "bart", "encoder_decoder", 2)
-    _require(cfg.norm_eps == 1e-5, "norm_eps", cfg.norm_eps, "bart", "BART's LayerNorms use 1e-5")
-    _require(cfg.tie_embeddings, "tie_embeddings", cfg.tie_embeddings, "bart", "BART ties its LM head")
-    _require(not cfg.mlm_head_transform, "mlm_head_transform", cfg.mlm_head_transform, "bart", "BART has none")
+    family, fam = _post_norm_family(cfg, "bart", "encoder_decoder", 2), "Hugging Face bart"
+    _require(cfg.norm_eps == 1e-5, "norm_eps", cfg.norm_eps, fam, "BART's LayerNorms use 1e-5")
+    _require(cfg.tie_embeddings, "tie_embeddings", cfg.tie_embeddings, fam, "BART ties its LM head")
+    _require(not cfg.mlm_head_transform, "mlm_head_transform", cfg.mlm_head_transform, fam, "BART has none")
     return family
 
 
@@ -278,7 +279,7 @@ def _split_qkv(out: dict, sd: dict, src: str, dsts: list[str], d: int) -> None:
 # ---------------------------------------------------------------------------------------------------- writing
 _Family = tuple[Callable[[ModelConfig], str], Callable[[ModelConfig, str], dict], Callable[[ModelConfig, dict, str], dict]]
 FAMILIES: dict[str, _Family] = {
-    "llama": (_llama_family, llama_hf_config, llama_hf_weights),
+    "llama": (llama_model_type, llama_hf_config, llama_hf_weights),
     "gpt2": (_gpt2_family, gpt2_hf_config, gpt2_hf_weights),
     "bert": (_bert_family, bert_hf_config, bert_hf_weights),
     "bart": (_bart_family, bart_hf_config, bart_hf_weights),
