@@ -3,10 +3,12 @@
     seqlab export RUN --format hf --out DIR     -> AutoModelForCausalLM / AutoTokenizer load DIR
     seqlab export RUN --format gguf --out F.gguf -> seqlab.io.load_gguf(F.gguf) loads it
 
-and the byte tokenizer (the default of sft/dpo/seq2seq runs) written as standard files AutoTokenizer reads.
+the byte tokenizer (the default of sft/dpo/seq2seq runs) written as standard files AutoTokenizer reads, and the
+round trip of docs/bring-your-own-model.md ("Export"), whose training command is the fixture run here.
 """
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -16,10 +18,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from seqlab.io.chat_template import render_chat_template  # noqa: E402
 from seqlab.data.tokenizers import ByteTokenizer, load_tokenizer  # noqa: E402
 from seqlab.generate import generate  # noqa: E402
 from seqlab.io import load_gguf, load_pretrained  # noqa: E402
+from seqlab.io.chat_template import render_chat_template  # noqa: E402
 from seqlab.io.export_tokenizer import write_tokenizer_files  # noqa: E402
 from seqlab.train.checkpoint import latest_checkpoint  # noqa: E402
 
@@ -33,12 +35,40 @@ def seqlab(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return proc
 
 
+DOC = Path(__file__).resolve().parents[2] / "docs" / "bring-your-own-model.md"
+
+
+def doc_blocks() -> tuple[list[str], str]:
+    """The Export section's shell commands (shrunk to a few training steps) and its Python snippet."""
+    section = DOC.read_text().split("\n## Export\n", 1)[1]
+    bash = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    python = section.split("```python\n", 1)[1].split("```", 1)[0]
+    commands = [line.replace("--max-steps 200", "--max-steps 2 --batch-size 2 --seq-len 64 --no-progress")
+                for line in bash.splitlines() if line.startswith("seqlab ")]
+    return commands, python
+
+
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory) -> Path:
+    """The run the docs' round trip trains (shrunk): SFT with a BPE tokenizer."""
     root = tmp_path_factory.mktemp("export_run")
-    seqlab("train", "--preset", "tiny", "--objective", "sft", "--tokenizer", "bpe:400", "--max-steps", "2",
-           "--batch-size", "2", "--seq-len", "64", "--ckpt-interval", "2", "--no-progress", "--out", "run", cwd=root)
-    return root / "run"
+    train = doc_blocks()[0][0]
+    assert train.startswith("seqlab train ") and train.endswith("--out runs/chat-tiny"), train
+    seqlab(*shlex.split(train)[1:], cwd=root)
+    return root / "runs" / "chat-tiny"
+
+
+def test_docs_round_trip_runs(sft_run, monkeypatch):
+    commands, python = doc_blocks()
+    root = sft_run.parent.parent
+    for command in commands[1:]:
+        seqlab(*shlex.split(command)[1:], cwd=root)
+    assert (root / "exported" / "chat-tiny" / "tokenizer_config.json").is_file()
+    monkeypatch.chdir(root)
+    namespace: dict = {}
+    exec(compile(python, str(DOC), "exec"), namespace)
+    assert namespace["out"].shape[1] > namespace["prompt"]["input_ids"].shape[1]
+    assert namespace["gguf_model"].config.extra["gguf_tensor_types"] == ["F32", "Q8_0"]
 
 
 def _source(run: Path):
