@@ -68,8 +68,14 @@ def check_exportable(model_dir: Path, fmt: str) -> None:
     from seqlab.io.export_hf import hf_family
     from seqlab.io.hf import config_from_hf
 
-    doc = read_config_json(model_dir / "config.json")
-    cfg = ModelConfig.from_dict(doc.get("config", {})) if doc.get("format") == FORMAT else config_from_hf(doc)
+    path = model_dir / "config.json"
+    doc = read_config_json(path)
+    try:
+        cfg = ModelConfig.from_dict(doc.get("config", {})) if doc.get("format") == FORMAT else config_from_hf(doc)
+    except KeyError as e:
+        raise ValueError(f"{path}: missing field {e}") from e
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: {e}") from e
     if fmt == "gguf":
         check_gguf(cfg)
     else:

@@ -341,7 +341,11 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None, device=No
     """
     folder = Path(path)
     hf = read_config_json(folder / "config.json")
-    cfg, state = convert_hf_state_dict(hf, _read_hf_tensors(folder))
+    tensors = _read_hf_tensors(folder)
+    try:
+        cfg, state = convert_hf_state_dict(hf, tensors)
+    except (CheckpointError, ValueError) as e:  # name the folder: the mapping's messages name only fields/tensors
+        raise CheckpointError(f"{folder}: {e}") from e
     model = build_model(cfg)
     expected = model.state_dict()
     head_missing = [k for k in expected if k.startswith("lm_head.") and k not in state and k != "lm_head.proj.weight"]
