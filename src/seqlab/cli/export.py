@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
 
     model_dir = resolve_model_dir(args.source)
     check_exportable(model_dir, args.format)
+    if args.format == "hf" and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out}: is a file; --format hf writes a folder")
     model = load_pretrained(model_dir, dtype=torch.float32)
     tokenizer = find_tokenizer(model_dir)
     if tokenizer is None:

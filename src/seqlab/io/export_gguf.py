@@ -98,7 +98,10 @@ def _encode(gguf, values: np.ndarray, qtype_name: str):
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     if values.shape[-1] % block:
         return values.astype(np.float16), None
-    return gguf.quants.quantize(values.astype(np.float32), qtype), qtype
+    try:
+        return gguf.quants.quantize(values.astype(np.float32), qtype), qtype
+    except NotImplementedError as e:  # older `gguf` releases quantise fewer block types
+        raise ExportError(f"--weights {qtype_name}: this `gguf` package cannot quantise it ({e}); upgrade gguf") from e
 
 
 def export_gguf(model: nn.Module, out_path: str | os.PathLike, tokenizer: Any = None, weight_type: str = "f32",
