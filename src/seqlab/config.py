@@ -86,6 +86,11 @@ class ModelConfig:
     embed_norm: bool = False  # norm right after the embeddings (BERT, BART)
     scale_embeddings: bool = False  # multiply token embeddings by sqrt(d_model) (T5/BART option)
 
+    # attention variants of the Llama family (Qwen2/Qwen3/Mistral/Gemma-style); defaults keep the plain Llama
+    attn_head_dim: int | None = None  # per-head width when it is not d_model // n_heads (Qwen3 and Gemma set it)
+    qkv_bias: bool | None = None  # biases on the q/k/v projections only (Qwen2); default: same as ``bias``
+    qk_norm: bool = False  # RMSNorm over each query/key head before the rotation (Qwen3)
+
     mlp: str = "swiglu"
     activation: str | None = None  # default: silu for swiglu, gelu for gelu
     bias: bool = False  # biases in attention and MLP projections
@@ -127,7 +132,11 @@ class ModelConfig:
             self.n_kv_heads = self.n_heads
         if self.n_kv_heads <= 0:
             raise ConfigError("n_kv_heads", f"must be a positive integer, got {self.n_kv_heads!r}")
-        if self.d_model % self.n_heads:
+        if self.attn_head_dim is not None and (not isinstance(self.attn_head_dim, int) or self.attn_head_dim <= 0):
+            raise ConfigError("attn_head_dim", f"must be a positive integer or None, got {self.attn_head_dim!r}")
+        if self.qkv_bias is None:
+            self.qkv_bias = self.bias
+        if self.attn_head_dim is None and self.d_model % self.n_heads:
             raise ConfigError("d_model", f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ConfigError("n_heads", f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
@@ -158,7 +167,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.attn_head_dim or self.d_model // self.n_heads
 
     # --- JSON round trip -------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -116,6 +116,16 @@ INFO_CASES: list[Case] = [
 ]
 
 EXPORT_CASES: list[Case] = [
+    Case("export-missing-source", ["export", "{tmp}/nope", "--format", "hf", "--out", "{tmp}/o"], "nope: no such directory"),
+    Case("export-run-without-checkpoint", ["export", "{tmp}/empty", "--format", "hf", "--out", "{tmp}/o"], "no complete checkpoint", files={"empty/checkpoints/readme.txt": "x"}),
+    Case("export-not-a-model-folder", ["export", "{tmp}/notes", "--format", "hf", "--out", "{tmp}/o"], "notes/config.json: missing", files={"notes/readme.txt": "x"}),
+    Case("export-corrupt-config", ["export", "{tmp}/bad", "--format", "hf", "--out", "{tmp}/o"], "config.json: not valid JSON", files={"bad/config.json": "{oops"}),
+    Case("export-checkpoint-missing-weights", ["export", "{tmp}/ck", "--format", "hf", "--out", "{tmp}/o"], "model.safetensors: missing from checkpoint", files={"ck/state.json": '{"format": "seqlab-train-checkpoint", "version": 1, "files": {"model.safetensors": "00"}}', "ck/config.json": "{}"}),
+    Case("export-unknown-hf-model-type", ["export", "{tmp}/hf", "--format", "hf", "--out", "{tmp}/o"], "model_type 'mamba'", files={"hf/config.json": '{"model_type": "mamba"}'}),
+    Case("export-hf-inexpressible", ["export", "{tmp}/enc", "--format", "hf", "--out", "{tmp}/o"], "ModelConfig.pos='rope'", files={"enc/config.json": '{"format": "seqlab", "config": {"arch": "encoder"}}'}),
+    Case("export-gguf-not-llama", ["export", "{tmp}/g", "--format", "gguf", "--out", "{tmp}/g.gguf"], "ModelConfig.pos='learned'", files={"g/config.json": '{"format": "seqlab", "config": {"pos": "learned", "norm": "layernorm", "mlp": "gelu", "bias": true}}'}),
+    Case("export-gguf-out-is-folder", ["export", "{run}", "--format", "gguf", "--out", "{tmp}"], "writes one file"),
+    Case("export-hf-out-is-file", ["export", "{run}", "--format", "hf", "--out", "{tmp}/taken"], "writes a folder", files={"taken": "x"}),
 ]
 
 QUANT_CASES: list[Case] = [

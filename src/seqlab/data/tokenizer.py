@@ -148,31 +148,32 @@ class Tokenizer:
         return cls.from_file(folder / "tokenizer.json")
 
     # ------------------------------------------------------------------------------------------ saving
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, model_max_length: int | None = None) -> None:
         """Write ``tokenizer.json`` at ``path``; when the file is named so, ``tokenizer_config.json`` goes beside it
         (specials, chat template), so a reload (e.g. on resume) gets the same specials and template."""
         path = Path(path)
         atomic_write_text(path, self.backend.to_str(pretty=True))
         if path.name == "tokenizer.json":
             atomic_write_text(path.with_name("tokenizer_config.json"),
-                              json.dumps(self.tokenizer_config(), indent=2, ensure_ascii=False) + "\n")
+                              json.dumps(self.tokenizer_config(model_max_length), indent=2, ensure_ascii=False) + "\n")
 
-    def save_pretrained(self, folder: str | os.PathLike) -> Path:
+    def save_pretrained(self, folder: str | os.PathLike, model_max_length: int | None = None) -> Path:
         """Write ``tokenizer.json`` + ``tokenizer_config.json`` into ``folder`` (atomically): the pair that
         ``tokenizers.Tokenizer.from_file`` and ``transformers.AutoTokenizer.from_pretrained`` load."""
         folder = Path(folder)
-        self.save(folder / "tokenizer.json")
+        self.save(folder / "tokenizer.json", model_max_length)
         return folder
 
-    def tokenizer_config(self) -> dict[str, Any]:
-        """The ``tokenizer_config.json`` document (HF keys, plus ``seqlab_eot_token``)."""
+    def tokenizer_config(self, model_max_length: int | None = None) -> dict[str, Any]:
+        """The ``tokenizer_config.json`` document (HF keys, plus ``seqlab_eot_token``); ``model_max_length`` is the
+        model's context where one is known (an export), else HF's "no limit"."""
         cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
                                "add_bos_token": self.add_bos_token, "add_eos_token": self.add_eos_token}
         for role in _ROLES:
             token = self.token(getattr(self, f"{role}_id"))
             if token is not None:
                 cfg[f"{role}_token"] = token
-        cfg["model_max_length"] = int(1e30)  # HF's "no limit" value: the model, not the tokenizer, sets the context
+        cfg["model_max_length"] = model_max_length or int(1e30)  # HF's "no limit" unless the model's context is known
         if self.chat_template:
             cfg["chat_template"] = self.chat_template
         if self.eot_token:

@@ -1,4 +1,4 @@
-"""Hugging Face interop: import GPT-2, Llama (incl. GQA), BERT and BART checkpoints into seqlab.
+"""Hugging Face interop: import GPT-2, Llama (incl. GQA; Mistral, Qwen2, Qwen3), BERT and BART checkpoints into seqlab.
 
 Each family is two small functions: ``*_config`` maps the HF ``config.json`` onto a ModelConfig, and
 ``*_weights`` renames (and, where seqlab fuses projections, concatenates) tensors. Every HF tensor must be consumed
@@ -103,28 +103,49 @@ def _lm_head(out: dict, src: _Tensors, cfg: ModelConfig, name: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------- Llama
 def llama_config(hf: dict) -> ModelConfig:
+    """Llama and the families that are Llama plus a knob: Qwen2 (q/k/v bias), Qwen3 (explicit head_dim, q/k
+    RMSNorm), Mistral (sliding window: accepted only when it never binds, refused otherwise)."""
+    model_type = hf.get("model_type", "llama")
     d, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // n_heads
-    if head_dim * n_heads != d:
-        raise CheckpointError(f"Llama head_dim={head_dim} with {n_heads} heads != hidden_size={d}: unsupported")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in (None, "default"):
-        raise CheckpointError(f"Llama rope scaling {rope_type!r} is not supported")
+        raise CheckpointError(f"{model_type} rope scaling {rope_type!r} is not supported")
     theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
     if hf.get("hidden_act", "silu") != "silu":
-        raise CheckpointError(f"Llama hidden_act={hf['hidden_act']!r} is not supported (expected silu)")
-    if hf.get("attention_bias") != hf.get("mlp_bias") and (hf.get("attention_bias") or hf.get("mlp_bias")):
-        raise CheckpointError("Llama with attention_bias != mlp_bias is not supported")
+        raise CheckpointError(f"{model_type} hidden_act={hf['hidden_act']!r} is not supported (expected silu)")
+    _check_sliding_window(hf, model_type)
+    attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
+    if model_type == "qwen2":  # q/k/v carry biases, o_proj and the MLP do not
+        qkv_bias, bias = True, False
+    else:  # seqlab's `bias` covers o_proj and the MLP together: the one HF leaves out is loaded as zeros
+        qkv_bias, bias = attention_bias, attention_bias or mlp_bias
+    max_len = hf.get("max_position_embeddings", 2048)
     return ModelConfig(
         arch="decoder", vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads, d_ff=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 2048), pos="rope", rope_base=float(theta), norm="rmsnorm",
+        attn_head_dim=head_dim if head_dim * n_heads != d else None, qkv_bias=qkv_bias,
+        qk_norm=model_type == "qwen3", max_seq_len=max_len, pos="rope", rope_base=float(theta), norm="rmsnorm",
         norm_eps=hf.get("rms_norm_eps", 1e-6), pre_norm=True, mlp="swiglu", activation="silu",
-        bias=bool(hf.get("attention_bias", False)), tie_embeddings=hf.get("tie_word_embeddings", False),
+        bias=bias, tie_embeddings=hf.get("tie_word_embeddings", False),
         bos_token_id=_int_or_none(hf.get("bos_token_id")), eos_token_id=_int_or_none(hf.get("eos_token_id")),
-        pad_token_id=_int_or_none(hf.get("pad_token_id")), extra={"source": "hf:llama"},
+        pad_token_id=_int_or_none(hf.get("pad_token_id")), extra={"source": f"hf:{model_type}"},
     )
+
+
+def _check_sliding_window(hf: dict, model_type: str) -> None:
+    """seqlab attends to the whole context: a window that can bind (shorter than the context) is refused."""
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types") or []
+    if model_type in ("qwen2", "qwen3"):
+        if not hf.get("use_sliding_window") and "sliding_attention" not in layer_types:
+            return
+    elif model_type != "mistral" and "sliding_attention" not in layer_types:
+        return
+    if window is not None and window < hf.get("max_position_embeddings", 2048):
+        raise CheckpointError(f"{model_type} sliding_window={window} (< max_position_embeddings="
+                              f"{hf.get('max_position_embeddings')}) is not supported: seqlab attends to the full context")
 
 
 def _int_or_none(value) -> int | None:
@@ -142,11 +163,15 @@ def llama_weights(src: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
         out[f"{b}.attn_norm.weight"] = src.take(f"{h}.input_layernorm.weight")
         out[f"{b}.attn.qkv.weight"] = src.cat(*(f"{h}.self_attn.{p}_proj.weight" for p in "qkv"))
         out[f"{b}.attn.out.weight"] = src.take(f"{h}.self_attn.o_proj.weight")
-        if cfg.bias:
+        if cfg.qkv_bias:
             out[f"{b}.attn.qkv.bias"] = src.cat(*(f"{h}.self_attn.{p}_proj.bias" for p in "qkv"))
-            out[f"{b}.attn.out.bias"] = src.take(f"{h}.self_attn.o_proj.bias")
-            out[f"{b}.mlp.up.bias"] = src.cat(f"{h}.mlp.gate_proj.bias", f"{h}.mlp.up_proj.bias")
-            out[f"{b}.mlp.down.bias"] = src.take(f"{h}.mlp.down_proj.bias")
+        if cfg.qk_norm:
+            out[f"{b}.attn.q_norm.weight"] = src.take(f"{h}.self_attn.q_norm.weight")
+            out[f"{b}.attn.k_norm.weight"] = src.take(f"{h}.self_attn.k_norm.weight")
+        if cfg.bias:
+            out[f"{b}.attn.out.bias"] = _bias_or_zeros(src, f"{h}.self_attn.o_proj", cfg.d_model)
+            out[f"{b}.mlp.up.bias"] = torch.cat([_bias_or_zeros(src, f"{h}.mlp.{p}_proj", cfg.d_ff) for p in ("gate", "up")])
+            out[f"{b}.mlp.down.bias"] = _bias_or_zeros(src, f"{h}.mlp.down_proj", cfg.d_model)
         out[f"{b}.mlp_norm.weight"] = src.take(f"{h}.post_attention_layernorm.weight")
         out[f"{b}.mlp.up.weight"] = src.cat(f"{h}.mlp.gate_proj.weight", f"{h}.mlp.up_proj.weight")
         out[f"{b}.mlp.down.weight"] = src.take(f"{h}.mlp.down_proj.weight")
@@ -154,6 +179,11 @@ def llama_weights(src: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
     src.prefix = ""
     _lm_head(out, src, cfg, "lm_head.weight")
     return out
+
+
+def _bias_or_zeros(src: _Tensors, name: str, size: int) -> Tensor:
+    """A bias HF does not have (Llama's attention_bias without mlp_bias, or the reverse) is exactly zero."""
+    return src.take(f"{name}.bias") if src.has(f"{name}.bias") else torch.zeros(size)
 
 
 # ---------------------------------------------------------------------------------------------------- BERT
@@ -253,6 +283,9 @@ def bart_weights(src: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
 FAMILIES: dict[str, tuple[Callable[[dict], ModelConfig], Callable[[_Tensors, ModelConfig], dict]]] = {
     "gpt2": (gpt2_config, gpt2_weights),
     "llama": (llama_config, llama_weights),
+    "mistral": (llama_config, llama_weights),
+    "qwen2": (llama_config, llama_weights),
+    "qwen3": (llama_config, llama_weights),
     "bert": (bert_config, bert_weights),
     "bart": (bart_config, bart_weights),
 }
@@ -313,10 +346,14 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None, device=No
     folder = Path(path)
     hf = read_config_json(folder / "config.json")
     try:
-        cfg = config_from_hf(hf)
-    except ValueError as e:  # name the file (ConfigError and CheckpointError are both ValueErrors)
+        config_from_hf(hf)  # a bad config fails before any weights are read, naming its file
+    except ValueError as e:  # ConfigError and CheckpointError are both ValueErrors
         raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
-    cfg, state = convert_hf_state_dict(hf, _read_hf_tensors(folder))
+    tensors = _read_hf_tensors(folder)
+    try:
+        cfg, state = convert_hf_state_dict(hf, tensors)
+    except ValueError as e:  # name the folder: the mapping's messages name only fields/tensors
+        raise CheckpointError(f"{folder}: {e}") from None
     model = build_model(cfg)
     expected = model.state_dict()
     head_missing = [k for k in expected if k.startswith("lm_head.") and k not in state and k != "lm_head.proj.weight"]

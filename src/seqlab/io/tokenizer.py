@@ -74,8 +74,8 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], source: str = "<gguf>") -> 
         )
     tokens = list(metadata.get("tokenizer.ggml.tokens") or [])
     merges = list(metadata.get("tokenizer.ggml.merges") or [])
-    if not tokens or not merges:
-        raise TokenizerError(f"{source}: 'tokenizer.ggml.tokens' and 'tokenizer.ggml.merges' must both be present")
+    if not tokens:  # merges may be empty: a byte-level vocabulary without merges (seqlab's byte tokenizer)
+        raise TokenizerError(f"{source}: 'tokenizer.ggml.tokens' is missing or empty")
     types = list(metadata.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
     if len(types) != len(tokens):
         raise TokenizerError(f"{source}: {len(types)} token types for {len(tokens)} tokens")

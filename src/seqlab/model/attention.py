@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seqlab.config import ModelConfig
 from seqlab.model.cache import KVCache
-from seqlab.model.layers import apply_rotary
+from seqlab.model.layers import RMSNorm, apply_rotary
 from seqlab.model.linear import Linear
 
 
@@ -38,8 +39,11 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.qkv = Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.bias)
+        self.qkv = Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
         self.out = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+        # Qwen3: each query/key head is RMS-normalised (over head_dim) before the rotation
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.attn_dropout = cfg.attn_dropout
         self.dropout = nn.Dropout(cfg.dropout)
 
@@ -48,6 +52,8 @@ class SelfAttention(nn.Module):
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.qkv(x).split(((H + Hkv) * D, Hkv * D), dim=-1)
         qk = qk.view(B, T, H + Hkv, D)
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])), dim=2)
         if inputs.rope is not None:  # one rotation for queries and keys together
             qk = apply_rotary(qk, *inputs.rope)
         q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
@@ -70,8 +76,8 @@ class CrossAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q = Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
-        self.kv = Linear(cfg.d_model, 2 * cfg.n_kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.q = Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.kv = Linear(cfg.d_model, 2 * cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.out = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
         self.attn_dropout = cfg.attn_dropout
         self.dropout = nn.Dropout(cfg.dropout)

@@ -1,0 +1,175 @@
+"""Export seqlab Llama-style decoders as GGUF (llama.cpp's format) with the ``gguf`` package's ``GGUFWriter``.
+
+The inverse of :mod:`seqlab.io.gguf`: seqlab -> HF Llama names (:func:`seqlab.io.export_hf.to_hf`) -> GGUF names,
+with the Q/K rows permuted into llama.cpp's interleaved-pair rotary order. Metadata is the ``llama``
+architecture's (sizes, rope base, norm epsilon) plus the tokenizer as byte-level BPE (``tokenizer.ggml.model =
+gpt2``: tokens, types, merges, special ids, chat template).
+
+Weights: ``f32``; ``f16``; ``q8_0``, ``q4_0``, ``q4_1`` through ``gguf.quants.quantize`` (llama.cpp's own block
+formats). As llama.cpp does, 1-D tensors (norms, biases) stay f32, and a matrix whose rows do not fill whole
+quantisation blocks is written f16 instead of failing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch import Tensor, nn
+
+from seqlab.io.export_hf import ExportError, llama_model_type, to_hf
+
+WEIGHT_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
+_FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7}  # llama.cpp's LlamaFileType
+_NORMAL, _CONTROL, _UNUSED = 1, 3, 5  # llama.cpp token types
+
+_BLOCK_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
+
+
+def _import_gguf():
+    try:  # optional dependency: only GGUF export needs it
+        import gguf
+    except ImportError as e:
+        raise ExportError("writing GGUF files needs the `gguf` package: pip install 'seqlab[gguf]'") from e
+    return gguf
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)  # model.layers.<i>.<module>.<weight|bias>
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_BLOCK_NAMES[module]}.{kind}"
+
+
+def rope_permutation(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's ``permute`` of Q/K rows (rotate-half -> interleaved pairs); undone by
+    :func:`seqlab.io.gguf.reverse_rope_permutation`."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def check_exportable(cfg) -> None:
+    """GGUF's ``llama`` architecture: what the HF Llama export accepts, minus the knobs llama.cpp's llama lacks."""
+    llama_model_type(cfg, fam="GGUF llama")
+    if cfg.qk_norm:
+        raise ExportError("cannot export as GGUF llama: ModelConfig.qk_norm=True (Qwen3's q/k norms)")
+    if cfg.attn_head_dim is not None:
+        raise ExportError(f"cannot export as GGUF llama: ModelConfig.attn_head_dim={cfg.attn_head_dim} "
+                          f"(head_dim must be d_model / n_heads)")
+
+
+def tokenizer_metadata(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
+    """``tokenizer.ggml.*`` values for a byte-level BPE tokenizer (seqlab's BPE and byte tokenizers both are)."""
+    backend = tokenizer.backend
+    model = json.loads(backend.to_str())["model"]
+    if model.get("type") != "BPE":
+        raise ExportError(f"cannot export the tokenizer to GGUF: model type {model.get('type')!r} (need BPE)")
+    n = backend.get_vocab_size(with_added_tokens=True)
+    if n > vocab_size:
+        raise ExportError(f"the tokenizer has {n} tokens but ModelConfig.vocab_size={vocab_size}")
+    special = set(tokenizer.special_ids)
+    tokens = [backend.id_to_token(i) for i in range(n)] + [f"[PAD{i}]" for i in range(n, vocab_size)]
+    types = [_CONTROL if i in special else _NORMAL for i in range(n)] + [_UNUSED] * (vocab_size - n)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    meta = {"tokens": tokens, "types": types, "merges": merges, "chat_template": tokenizer.chat_template}
+    meta.update(bos=tokenizer.bos_id, eos=tokenizer.eos_id, pad=tokenizer.pad_id)
+    return meta
+
+
+def _encode(gguf, values: np.ndarray, qtype_name: str):
+    """(array to write, raw dtype or None) for one tensor."""
+    if values.ndim == 1 or qtype_name == "f32":
+        return values.astype(np.float32), None
+    if qtype_name == "f16":
+        return values.astype(np.float16), None
+    qtype = getattr(gguf.GGMLQuantizationType, qtype_name.upper())
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if values.shape[-1] % block:
+        return values.astype(np.float16), None
+    try:
+        return gguf.quants.quantize(values.astype(np.float32), qtype), qtype
+    except NotImplementedError as e:  # older `gguf` releases quantise fewer block types
+        raise ExportError(f"--weights {qtype_name}: this `gguf` package cannot quantise it ({e}); upgrade gguf") from e
+
+
+def export_gguf(model: nn.Module, out_path: str | os.PathLike, tokenizer: Any = None, weight_type: str = "f32",
+                name: str = "seqlab") -> Path:
+    """Write ``model`` (and ``tokenizer``) to ``out_path`` as a GGUF file, atomically (temp file, then rename)."""
+    if weight_type not in WEIGHT_TYPES:
+        raise ExportError(f"unknown GGUF weight type {weight_type!r}; expected one of {WEIGHT_TYPES}")
+    gguf = _import_gguf()
+    cfg = model.config
+    check_exportable(cfg)
+    _, tensors = to_hf(model)
+    if cfg.tie_embeddings:
+        tensors.pop("lm_head.weight")  # no output.weight: llama.cpp (and seqlab's reader) tie to token_embd
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp, "llama")
+        _write_metadata(writer, cfg, tokenizer, weight_type, name)
+        for hf_name, t in tensors.items():
+            values = _numpy(t)
+            if ".q_proj." in hf_name:
+                values = rope_permutation(values, cfg.n_heads)
+            elif ".k_proj." in hf_name:
+                values = rope_permutation(values, cfg.n_kv_heads)
+            data, raw_dtype = _encode(gguf, values, weight_type)
+            writer.add_tensor(gguf_name(hf_name), data, raw_dtype=raw_dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the exported file private
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
+def _numpy(t: Tensor) -> np.ndarray:
+    return t.detach().float().cpu().contiguous().numpy()
+
+
+def _write_metadata(writer, cfg, tokenizer, weight_type: str, name: str) -> None:
+    writer.add_name(name)
+    writer.add_file_type(_FILE_TYPES[weight_type])
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_context_length(cfg.max_seq_len)
+    writer.add_embedding_length(cfg.d_model)
+    writer.add_block_count(cfg.n_layers)
+    writer.add_feed_forward_length(cfg.d_ff)
+    writer.add_head_count(cfg.n_heads)
+    writer.add_head_count_kv(cfg.n_kv_heads)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(cfg.rope_base)
+    writer.add_layer_norm_rms_eps(cfg.norm_eps)
+    if tokenizer is None:
+        return
+    meta = tokenizer_metadata(tokenizer, cfg.vocab_size)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(meta["tokens"])
+    writer.add_token_types(meta["types"])
+    writer.add_token_merges(meta["merges"])
+    for key, adder in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
+                       ("pad", writer.add_pad_token_id)):
+        if meta[key] is not None:
+            adder(meta[key])
+    writer.add_add_bos_token(False)
+    if meta["chat_template"]:
+        writer.add_chat_template(meta["chat_template"])

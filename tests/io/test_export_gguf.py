@@ -1,0 +1,131 @@
+"""Export to GGUF: seqlab's ``load_gguf`` and the ``gguf`` package's own reader both read the file back.
+
+f32 is lossless (the same weights, hence the same logits and greedy tokens); f16 keeps greedy tokens where the
+source model's top-2 margin is clear of the rounding; for q8_0 / q4_0 / q4_1 every tensor read back dequantises
+to exactly what ``gguf.quants`` made of the (rope-permuted) source values.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from seqlab import ModelConfig, build_model  # noqa: E402
+from seqlab.data.tokenizers import ByteTokenizer, train_bpe  # noqa: E402
+from seqlab.generate import generate  # noqa: E402
+from seqlab.io import load_gguf  # noqa: E402
+from seqlab.io.export_gguf import export_gguf, gguf_name, rope_permutation  # noqa: E402
+from seqlab.io.export_hf import ExportError, to_hf  # noqa: E402
+from seqlab.io.gguf import reverse_rope_permutation  # noqa: E402
+
+TEXTS = ["the quick brown fox jumps over the lazy dog. " * 3, "hello world, hello there! 12345 numbers", "ünïcödé text"] * 4
+PROMPT = "<|im_start|>user\nhello the quick fox<|im_end|>\n"
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    return train_bpe(TEXTS, vocab_size=300)
+
+
+def _model(vocab: int, **kw):
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(vocab_size=vocab, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96,
+                                    max_seq_len=64, bos_token_id=1, eos_token_id=2, pad_token_id=0, **kw))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model.eval()
+
+
+def _greedy(model, ids, n=8):
+    return generate(model, ids, max_new_tokens=n, eos_token_id=[])
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_f32_round_trip_is_exact(tmp_path, bpe, tie):
+    model = _model(bpe.vocab_size, tie_embeddings=tie, rope_base=20000.0)
+    path = export_gguf(model, tmp_path / "m.gguf", bpe, weight_type="f32")
+    loaded, tok = load_gguf(path)
+    assert loaded.config.rope_base == 20000.0 and loaded.config.n_kv_heads == 2
+    mine, theirs = model.state_dict(), loaded.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    ids = bpe.encode(PROMPT)
+    assert tok.encode(PROMPT, add_special_tokens=False) == ids  # same ids from the file's vocabulary and merges
+    assert tok.chat_template == bpe.chat_template
+    assert tok.eos_token_id == bpe.eos_id and tok.bos_token_id == bpe.bos_id
+    x = torch.tensor([ids])
+    assert torch.equal(_greedy(loaded, x), _greedy(model, x))
+
+    reader = gguf.GGUFReader(path)  # the package's own reader agrees on names, shapes and metadata
+    names = {t.name for t in reader.tensors}
+    assert ("output.weight" in names) == (not tie)
+    assert int(reader.fields["llama.block_count"].parts[-1][0]) == 2
+    q = next(t for t in reader.tensors if t.name == "blk.0.attn_q.weight")
+    src = model.stack.blocks[0].attn.qkv.weight[:64].detach().numpy()
+    np.testing.assert_array_equal(reverse_rope_permutation(np.asarray(q.data).reshape(64, 64), 4), src)
+
+
+def test_f16_keeps_greedy_tokens(tmp_path, bpe):
+    model = _model(bpe.vocab_size)
+    loaded, _ = load_gguf(export_gguf(model, tmp_path / "m.gguf", bpe, weight_type="f16"))
+    x = torch.tensor([bpe.encode(PROMPT)])
+    ours = _greedy(model, x)
+    with torch.no_grad():
+        logits = model(ours)[:, x.shape[1] - 1:-1]
+    top = logits.topk(2, dim=-1).values
+    assert (top[..., 0] - top[..., 1]).min() > 1e-2, "test model has a near-tie; pick another seed"
+    assert torch.equal(_greedy(loaded, x), ours)
+    w = model.stack.blocks[1].mlp.down.weight.detach()
+    assert torch.equal(loaded.stack.blocks[1].mlp.down.weight, w.half().float())
+
+
+@pytest.mark.parametrize("weight_type", ["q8_0", "q4_0", "q4_1"])
+def test_quantised_values_read_back_as_written(tmp_path, bpe, weight_type):
+    model = _model(bpe.vocab_size, tie_embeddings=False)
+    path = export_gguf(model, tmp_path / "m.gguf", bpe, weight_type=weight_type)
+    qtype = getattr(gguf.GGMLQuantizationType, weight_type.upper())
+    _, hf = to_hf(model)
+    expected = {}
+    for name, t in hf.items():
+        values = t.numpy()
+        if ".q_proj." in name:
+            values = rope_permutation(values, 4)
+        elif ".k_proj." in name:
+            values = rope_permutation(values, 2)
+        if values.ndim == 2:
+            values = gguf.quants.dequantize(gguf.quants.quantize(values, qtype), qtype)
+        expected[gguf_name(name)] = values
+    reader = gguf.GGUFReader(path)
+    assert {t.name for t in reader.tensors} == set(expected)
+    for t in reader.tensors:
+        want_type = qtype if expected[t.name].ndim == 2 else gguf.GGMLQuantizationType.F32
+        assert t.tensor_type == want_type, t.name
+        got = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(expected[t.name].shape)
+        np.testing.assert_array_equal(got, expected[t.name], err_msg=t.name)
+    loaded, _ = load_gguf(path)  # seqlab's reader: the same dequantised values, back in seqlab's layout
+    down = expected["blk.1.ffn_down.weight"]
+    assert np.array_equal(loaded.stack.blocks[1].mlp.down.weight.detach().numpy(), down)
+    assert weight_type.upper() in loaded.config.extra["gguf_tensor_types"]
+
+
+def test_byte_tokenizer_round_trips(tmp_path):
+    tok = ByteTokenizer()
+    model = _model(tok.vocab_size)
+    loaded, gtok = load_gguf(export_gguf(model, tmp_path / "b.gguf", tok, weight_type="f32"))
+    text = "héllo <|im_start|>wörld<|im_end|>"
+    assert gtok.encode(text, add_special_tokens=False) == tok.encode(text)
+    assert gtok.decode(tok.encode(text)) == text
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(pos="learned", norm="layernorm", mlp="gelu", bias=True), "ModelConfig.pos='learned'"),
+    (dict(qk_norm=True), "ModelConfig.qk_norm=True"),
+    (dict(attn_head_dim=8), "ModelConfig.attn_head_dim=8"),
+])
+def test_non_llama_configs_are_refused(tmp_path, kw, field):
+    model = _model(50, **kw)
+    with pytest.raises(ExportError, match=field):
+        export_gguf(model, tmp_path / "x.gguf")
+    assert not list(tmp_path.iterdir())  # nothing half-written
