@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from seqlab.data.tokenizers import ByteTokenizer, load_tokenizer  # noqa: E402
 from seqlab.generate import generate  # noqa: E402
 from seqlab.io import load_gguf, load_pretrained  # noqa: E402
-from seqlab.io.chat_template import render_chat_template  # noqa: E402
+from seqlab.data.chat_template import render_chat_template  # noqa: E402
 from seqlab.train.checkpoint import latest_checkpoint  # noqa: E402
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Wie heißt du? 42"}]
