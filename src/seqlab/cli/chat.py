@@ -179,10 +179,10 @@ def _load_chat_model(args):
     model, tokenizer = load_gguf(path, dtype=dtype)
     if not tokenizer.chat_template:
         raise ValueError(f"{path}: the file has no chat template (tokenizer.chat_template); use `seqlab generate` instead")
-    if not getattr(args, "no_pack", False):
-        from seqlab.model import pack_for_inference
+    if not getattr(args, "no_accel", False):
+        from seqlab.accel import accelerate
 
-        pack_for_inference(model, rows_hint=1)
+        accelerate(model, "decode", rows=1, dtype=None)
     return path, model, tokenizer
 
 

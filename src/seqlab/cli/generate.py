@@ -8,10 +8,10 @@ import sys
 
 
 def add_decode_speed_options(p: argparse.ArgumentParser) -> None:
-    """``--no-pack`` and ``--compile``: the two decode-speed switches ``seqlab generate`` and ``seqlab chat`` share."""
-    p.add_argument("--no-pack", action="store_true",
-                   help="keep the linear weights dense (by default fp32 CPU models are packed for oneDNN, which "
-                        "makes decoding faster; see docs/generation.md)")
+    """``--no-accel`` and ``--compile``: the two decode-speed switches ``seqlab generate`` and ``seqlab chat`` share."""
+    p.add_argument("--no-accel", "--no-pack", dest="no_accel", action="store_true",
+                   help="run the plain model (by default the linear layers take the routes measured fastest on "
+                        "this CPU, see docs/acceleration.md; --no-pack is the old name)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (greedy/sample): faster steps after a one-off compilation "
                         "(tens of seconds to minutes; see docs/generation.md)")
@@ -140,12 +140,12 @@ def run(args: argparse.Namespace) -> int:
     )
     if strategy == "beam" and cfg.num_beams == 1:
         cfg = cfg.updated(num_beams=4)
-    if not args.no_pack:  # inference only from here on: pack for the rows a decode step multiplies
-        from seqlab.model import pack_for_inference
+    if not args.no_accel:  # inference only from here on: routes for the rows a decode step multiplies
+        from seqlab.accel import accelerate
 
         for m in (model, draft):
             if m is not None:
-                pack_for_inference(m, rows_hint=len(prompts) * cfg.num_beams)
+                accelerate(m, "decode", rows=len(prompts) * cfg.num_beams, dtype=None)
     if args.stream:
         s = stream(model, ids, mask, cfg, draft_model=draft, tokenizer=tok)
         for chunk in s:
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from seqlab.generate.bench import BenchConfig, ratio_table, run_benchmark
+    from seqlab.accel.bench import BenchConfig, ratio_table, run_benchmark
 
     bc = BenchConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers,
                      dtypes=tuple(args.dtypes.split(",")), batches=tuple(int(b) for b in args.batches.split(",")),

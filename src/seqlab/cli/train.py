@@ -140,11 +140,16 @@ def make_config(args: argparse.Namespace):
 
 
 def run_train(args: argparse.Namespace) -> int:
+    import torch
+
+    from seqlab.accel import accelerate
     from seqlab.train.run import build_run
     from seqlab.train.trainer import Trainer
 
     cfg = make_config(args)
     run = build_run(cfg)
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        accelerate(run.model, "train", rows=cfg.batch_size * cfg.seq_len, dtype=None)  # same Parameters, routes only
     trainer = Trainer(cfg, run.model, run.objective, run.train_data, run.val_data, tokenizer=run.tokenizer,
                       resume=args.resume)
     try:
