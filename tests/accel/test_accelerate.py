@@ -12,8 +12,9 @@ from seqlab.accel import apply as accel_apply
 from seqlab.accel import calibrate
 from seqlab.accel.cpu import current_signature, native_bf16
 from seqlab.accel.routes import DenseRoute, PackedRoute, Use
-from seqlab.cli import build_parser
+from seqlab.cli import build_parser, main
 from seqlab.generate import generate
+from seqlab.io import save_pretrained
 
 from .helpers import tiny_model
 
@@ -172,3 +173,11 @@ def test_probe_use_keys_name_every_dimension():
     assert a != calibrate.shape_key(Use("decode", 1, torch.bfloat16), 64, 96, False)
     assert a != calibrate.shape_key(Use("decode", 1, torch.float32), 64, 96, True)
     assert DenseRoute().convert(nn.Linear(2, 2), Use("decode", 1, torch.float32)) is not None
+
+
+def test_info_prints_the_chosen_routes_and_timings(tmp_path, capsys):
+    save_pretrained(tiny_model(), tmp_path / "m")
+    assert main(["info", str(tmp_path / "m")]) == 0
+    out = capsys.readouterr().out
+    assert "accel for decode (1 rows/product): dtype fp32" in out
+    assert "dense" in out and " us" in out  # every shape with its route and the measured time of each route

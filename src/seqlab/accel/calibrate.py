@@ -134,9 +134,10 @@ def time_routes(use: Use, in_features: int, out_features: int, bias: bool, route
         except (RuntimeError, ValueError, NotImplementedError):
             continue
     first: dict[str, float] = {}
-    for name, run in list(runners.items()):  # warm-up: kernels JIT-compiled, weights touched once
-        t0 = clock()
+    for name, run in list(runners.items()):  # warm-up: kernels JIT-compiled (first call), then one timed call
         try:
+            run()
+            t0 = clock()
             run()
         except (RuntimeError, ValueError, NotImplementedError):
             del runners[name]

@@ -20,4 +20,7 @@ def run(args: argparse.Namespace) -> int:
     print(cfg.to_json())
     per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
     print(f"parameters: {model.num_parameters():,}   kv-cache: {per_token:,} bytes/token (fp32)")
+    from seqlab.accel import plan_for  # the routes `seqlab generate` would take here (calibrated once, cached)
+
+    print(plan_for(model, "decode", rows=1, dtype=None).summary())
     return 0
