@@ -92,8 +92,8 @@ def _candidate_dtypes(model: nn.Module, for_: str, rows: int, dtype: str | torch
     return [current]
 
 
-def plan_for(model: nn.Module, for_: str = "decode", *, rows: int | None = None, dtype: str | torch.dtype | None = "auto",
-             routes: Sequence[Route] = (), budget_s: float = DEFAULT_BUDGET_S, use_cache: bool = True) -> AccelPlan:
+def plan_for(model: nn.Module, for_: str = "decode", *, rows: int | None = None,
+             dtype: str | torch.dtype | None = "auto", routes: Sequence[Route] = (), budget_s: float = DEFAULT_BUDGET_S, use_cache: bool = True) -> AccelPlan:
     """Measure (or read from the cache) the routes for every linear shape of ``model``; change nothing."""
     if for_ not in USES:
         raise ValueError(f"accelerate: for_ must be one of {', '.join(USES)}, not {for_!r}")
