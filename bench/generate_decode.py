@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
 
-from seqlab.accel.bench import BenchConfig, ratio_table, run_benchmark  # noqa: E402
+from decode_bench import BenchConfig, ratio_table, run_benchmark  # noqa: E402
 
 
 def main() -> None:
@@ -39,6 +39,11 @@ def main() -> None:
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="cpu: process CPU time, robust when other jobs share the cores (use with --threads 1)")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--layers", type=int, default=6)
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--ttft-prompt-len", type=int, default=512)
+    ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "generate_decode.json"))
     add_isa_options(ap)
     args = ap.parse_args()
@@ -49,7 +54,8 @@ def main() -> None:
         return
     bc = BenchConfig(dtypes=tuple(args.dtypes.split(",")), batches=tuple(int(b) for b in args.batches.split(",")),
                      new_tokens=args.new_tokens, repeats=args.repeats, compile=args.compile, clock=args.clock,
-                     threads=args.threads)
+                     threads=args.threads, n_layers=args.layers, d_model=args.d_model, vocab_size=args.vocab,
+                     ttft_prompt_len=args.ttft_prompt_len, compare_hf=not args.no_hf)
     if args.quick:
         bc.n_layers, bc.new_tokens, bc.repeats, bc.ttft_prompt_len = 2, 16, 1, 64
     results = run_benchmark(bc, log=lambda s: print(s, file=sys.stderr, flush=True))

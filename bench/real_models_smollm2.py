@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
 
 from seqlab.accel import accelerate  # noqa: E402
-from seqlab.accel.bench import packed_copy, weight_bound_ms  # noqa: E402
+from decode_bench import packed_copy, weight_bound_ms  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROMPTS = [

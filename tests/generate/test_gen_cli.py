@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from gen_helpers import tiny_decoder
+from gen_helpers import assert_same_tokens_up_to_ties, decoder_oracle, tiny_decoder
 
 from seqlab.cli import main
 from seqlab.data.tokenizers import ByteTokenizer
@@ -33,7 +33,8 @@ def test_generate_greedy_matches_the_library(ckpt, tmp_path, capsys):
     doc = json.loads(out_json.read_text())
     ids = [tok.bos_id] + tok.encode("hello")
     ref = generate(model, torch.tensor([ids]), max_new_tokens=6, eos_token_id=tok.eos_id)
-    assert doc["sequences"][0][: ref.shape[1]] == ref[0].tolist()
+    got = torch.tensor([doc["sequences"][0][: ref.shape[1]]])  # the CLI packs the weights: other kernels
+    assert_same_tokens_up_to_ties(got, ref, len(ids), decoder_oracle(model, torch.tensor([ids])))
     assert doc["metrics"]["ttft_s"] > 0 and doc["metrics"]["kv_cache_bytes"] > 0
     assert "ttft" in capsys.readouterr().err
 
@@ -57,3 +58,27 @@ def test_over_long_prompt_is_a_clear_error(ckpt, capsys):
                  "--truncate"]) == 0
     assert main(["generate", "--checkpoint", str(d), "--prompt", "x", "--top-p", "0"]) == 2
     assert "GenerationConfig.top_p must be in (0, 1]" in capsys.readouterr().err
+
+
+def test_truncate_keeps_the_generated_text(ckpt, tmp_path, capsys):
+    """The model reads only the last tokens, but the output (stdout, JSON) still holds the new text."""
+    d, model, tok = ckpt
+    prompt = "the quick brown fox jumps over the lazy dog"  # 43 bytes + BOS > max_seq_len=32
+    out_json = tmp_path / "out.json"
+    assert main(["generate", "--checkpoint", str(d), "--prompt", prompt, "--max-new-tokens", "5", "--truncate",
+                 "--json", str(out_json), "--no-pack"]) == 0
+    ids = torch.tensor([[tok.bos_id] + tok.encode(prompt)])
+    ref = generate(model, ids, max_new_tokens=5, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+                   truncate_prompt=True)
+    new = ref[0, ids.shape[1]:].tolist()
+    assert new and ref.shape[1] == ids.shape[1] + len(new)
+    text = tok.decode(new)
+    doc = json.loads(out_json.read_text())
+    assert doc["outputs"] == [text] and doc["sequences"] == ref.tolist()
+    assert capsys.readouterr().out == f"{prompt}{text}\n"
+
+
+def test_zero_beams_is_an_error_not_greedy(ckpt, capsys):
+    d, _, _ = ckpt
+    assert main(["generate", "--checkpoint", str(d), "--prompt", "hi", "--num-beams", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "seqlab generate: error: --num-beams must be >= 1 (got 0)"

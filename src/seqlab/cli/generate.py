@@ -1,4 +1,4 @@
-"""``seqlab generate`` (decode prompts with a checkpoint) and ``seqlab bench`` (decode speed vs Hugging Face)."""
+"""``seqlab generate``: decode prompts with a checkpoint (the decode benchmark is ``bench/generate_decode.py``)."""
 from __future__ import annotations
 
 import argparse
@@ -53,27 +53,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=run)
 
-    b = sub.add_parser(
-        "bench", help="decode benchmark: seqlab vs Hugging Face generate on one random Llama-style model",
-        description="Batch-1 and batch-8 decode tokens/s, TTFT for a long prompt, and the weight-streaming bound, "
-                    "seqlab and HF side by side on the same weights (see docs/generation.md).")
-    b.add_argument("--dtypes", default="fp32,bf16")
-    b.add_argument("--batches", default="1,8")
-    b.add_argument("--new-tokens", type=int, default=64)
-    b.add_argument("--ttft-prompt-len", type=int, default=512)
-    b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--layers", type=int, default=6)
-    b.add_argument("--d-model", type=int, default=512)
-    b.add_argument("--vocab", type=int, default=32000)
-    b.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
-    b.add_argument("--compile", action="store_true", help="torch.compile the decode step")
-    b.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="cpu: process CPU time, robust when other jobs share the cores (use with --threads 1)")
-    b.add_argument("--threads", type=int, default=None)
-    b.add_argument("--json", help="write the results here")
-    b.add_argument("--debug", action="store_true")
-    b.set_defaults(func=run_bench)
-
 
 def _strategy(args) -> str:
     if args.strategy:
@@ -112,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.prompts_file}: no prompts (one per line)")
     else:
         prompts = args.prompt
+    if args.num_beams < 1:
+        raise ValueError(f"--num-beams must be >= 1 (got {args.num_beams})")
     strategy = _strategy(args)
     if strategy == "speculative" and not args.draft:
         raise ValueError("--strategy speculative needs --draft DIR")
@@ -173,20 +154,4 @@ def run(args: argparse.Namespace) -> int:
         doc = {"strategy": strategy, "prompts": prompts, "outputs": texts, "sequences": out.sequences.tolist(),
                "metrics": m.to_dict()}
         atomic_write_text(args.json, json.dumps(doc, indent=2) + "\n")
-    return 0
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    from seqlab.accel.bench import BenchConfig, ratio_table, run_benchmark
-
-    bc = BenchConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers,
-                     dtypes=tuple(args.dtypes.split(",")), batches=tuple(int(b) for b in args.batches.split(",")),
-                     new_tokens=args.new_tokens, ttft_prompt_len=args.ttft_prompt_len, repeats=args.repeats,
-                     compare_hf=not args.no_hf, compile=args.compile, clock=args.clock, threads=args.threads)
-    results = run_benchmark(bc, log=lambda s: print(s, file=sys.stderr, flush=True))
-    print(ratio_table(results))
-    if args.json:
-        from seqlab.io.checkpoint import atomic_write_text
-
-        atomic_write_text(args.json, json.dumps(results, indent=2) + "\n")
     return 0

@@ -21,7 +21,7 @@ Stopping (``early_stopping``), per batch row:
 * ``"never"``: the exact test -- with ``length_penalty > 0`` the best running beam is scored at the
   maximum length, an upper bound on anything it can still become, so nothing better is ever cut off.
 
-With enough beams to hold every prefix this is exhaustive search (tests/generate/test_beam.py checks it).
+With enough beams to hold every prefix this is exhaustive search (tests/generate/test_gen_beam.py checks it).
 """
 from __future__ import annotations
 
@@ -30,8 +30,10 @@ from torch import Tensor
 
 from seqlab.eval import timing
 from seqlab.generate.config import GenerationConfig
+from seqlab.generate.engine import step_fn
 from seqlab.generate.metrics import GenerationMetrics
-from seqlab.generate.sampling import apply_repetition_penalty, mark_seen, seen_mask
+from seqlab.generate.request import Prepared, open_request, seen_tokens
+from seqlab.generate.sampling import apply_repetition_penalty, mark_seen
 
 NEG = -1.0e9
 
@@ -42,36 +44,25 @@ def _gather(x: Tensor, idx: Tensor) -> Tensor:
     return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(shape))
 
 
-def beam_search(model, prep, cfg: GenerationConfig, metrics: GenerationMetrics) -> tuple[Tensor, Tensor]:
+def beam_search(model, prep: Prepared, cfg: GenerationConfig, metrics: GenerationMetrics) -> tuple[Tensor, Tensor]:
     """Returns (new tokens of the best hypothesis [B, n], its length-penalised score [B])."""
-    from seqlab.generate.engine import decoder_start_token_id, prefill, step_fn
-
     device = prep.input_ids.device
-    B, T = prep.input_ids.shape
+    B = prep.input_ids.shape[0]
     K, V = cfg.num_beams, model.config.vocab_size
     max_new, lp, es = cfg.max_new_tokens, float(cfg.length_penalty), cfg.early_stopping
     eos = torch.tensor(prep.eos, dtype=torch.long, device=device) if prep.eos else None
     n_keep = max(2, 1 + len(prep.eos)) * K
     if n_keep > K * V:
         raise ValueError(f"num_beams={K} is too large for a vocabulary of {V} tokens")
-    dtype = next(model.parameters()).dtype
     clock = timing.Stopwatch(device)
 
     # Prefill the B prompts once, then copy each row's cache K times.
-    cache_len = (1 if prep.encdec else T) + max_new
-    cache = model.new_cache(B, cache_len, dtype=dtype, device=device)
-    if prep.encdec:
-        logits = prefill(model, prep.input_ids, cache, prep.attention_mask)
-        pos_ids = torch.ones(B * K, 1, dtype=torch.long, device=device)
-        context = torch.full((B, 1), decoder_start_token_id(model), dtype=torch.long, device=device)
-        seen = seen_mask(context, None, V) if cfg.repetition_penalty != 1.0 else None
-    else:
-        logits = prefill(model, prep.input_ids, cache, prep.attention_mask, last_index=prep.last_index)
-        pos_ids = prep.lengths.repeat_interleave(K).view(B * K, 1).clone()
-        seen = seen_mask(prep.input_ids, prep.attention_mask, V) if cfg.repetition_penalty != 1.0 else None
+    cache, logits, pos_ids = open_request(model, prep, max_new)
+    seen = seen_tokens(model, prep, cfg)
     expand = torch.arange(B, device=device).repeat_interleave(K)
     cache.reorder(expand)
     logits = logits.repeat_interleave(K, dim=0)
+    pos_ids = pos_ids.repeat_interleave(K, dim=0)
     if seen is not None:
         seen = seen[expand].contiguous()
     metrics.kv_cache_bytes = cache.nbytes

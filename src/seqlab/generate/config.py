@@ -16,7 +16,8 @@ class GenerationConfig:
     -> sampling; else greedy.
 
     ``eos_token_id`` / ``pad_token_id`` of ``None`` fall back to the model config's ids (then pad falls back to
-    EOS, as Hugging Face does). ``stop_strings`` need a tokenizer (anything with ``decode(list[int]) -> str``).
+    EOS, as Hugging Face does); ids outside the model's vocabulary are refused when generation starts.
+    ``stop_strings`` need a tokenizer (anything with ``decode(list[int]) -> str``).
     """
 
     max_new_tokens: int = 32
@@ -66,6 +67,14 @@ class GenerationConfig:
         if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
                 or self.num_speculative_tokens < 1:
             raise bad("num_speculative_tokens", "an int >= 1")
+        def bad_id(value) -> bool:
+            return isinstance(value, bool) or not isinstance(value, int) or value < 0
+
+        eos = [self.eos_token_id] if isinstance(self.eos_token_id, int) else (self.eos_token_id or [])
+        if any(bad_id(e) for e in eos):
+            raise bad("eos_token_id", "None, a token id >= 0 or a list of them")
+        if self.pad_token_id is not None and bad_id(self.pad_token_id):
+            raise bad("pad_token_id", "None or a token id >= 0")
         if isinstance(self.stop_strings, str):
             self.stop_strings = [self.stop_strings]
         if any(not isinstance(s, str) or not s for s in self.stop_strings):

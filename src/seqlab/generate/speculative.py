@@ -30,13 +30,14 @@ import torch
 
 from seqlab.eval import timing
 from seqlab.generate.config import GenerationConfig
+from seqlab.generate.engine import is_encoder_decoder, prefill
 from seqlab.generate.metrics import GenerationMetrics
+from seqlab.generate.request import Prepared, make_generator
 from seqlab.generate.sampling import LogitsProcessor, sample_from
+from seqlab.generate.text import StreamChunk, TextStream, chunk_for
 
 
 def check_draft(target, draft, cfg: GenerationConfig) -> None:
-    from seqlab.generate.engine import is_encoder_decoder
-
     if is_encoder_decoder(target) or is_encoder_decoder(draft):
         raise ValueError("speculative decoding supports decoder-only target and draft models")
     if draft.config.vocab_size != target.config.vocab_size:
@@ -48,19 +49,15 @@ def check_draft(target, draft, cfg: GenerationConfig) -> None:
         raise ValueError("speculative decoding and beam search (num_beams > 1) cannot be combined")
 
 
-def speculative_loop(target, draft, prep, cfg: GenerationConfig, tokenizer, metrics: GenerationMetrics,
-                     want_chunks: bool) -> Iterator:
-    """Generator (like the engine's sampling loop): yields StreamChunks, returns new tokens [B, n]."""
-    from seqlab.generate.engine import StreamChunk, TextTracker, make_generator, prefill
-
+def speculative_loop(target, draft, prep: Prepared, cfg: GenerationConfig, text: TextStream | None,
+                     metrics: GenerationMetrics, want_chunks: bool) -> Iterator[StreamChunk]:
+    """Generator (like the sampling loop): yields StreamChunks, returns new tokens [B, n]."""
     check_draft(target, draft, cfg)
     device = prep.input_ids.device
     B, T = prep.input_ids.shape
     K, max_new = cfg.num_speculative_tokens, cfg.max_new_tokens
     proc = LogitsProcessor(cfg.sampling())
     gen = make_generator(cfg, device)
-    if cfg.stop_strings and tokenizer is None:
-        raise ValueError("GenerationConfig.stop_strings needs a tokenizer (pass tokenizer=...)")
     draft.eval()
     clock = timing.Stopwatch(device)
 
@@ -76,7 +73,6 @@ def speculative_loop(target, draft, prep, cfg: GenerationConfig, tokenizer, metr
     gen_len = torch.zeros(B, dtype=torch.long, device=device)  # tokens written per original row
     rows = torch.arange(B, device=device)
     eos = torch.tensor(prep.eos, dtype=torch.long, device=device) if prep.eos else None
-    tracker = TextTracker(tokenizer, B, cfg.stop_strings) if (tokenizer is not None and (want_chunks or cfg.stop_strings)) else None
     extra = torch.full((B,), -1, dtype=torch.long, device=device)  # d_K the draft has not seen (-1: none)
     arangeK1 = torch.arange(K + 1, device=device)
     rounds = 0
@@ -103,24 +99,17 @@ def speculative_loop(target, draft, prep, cfg: GenerationConfig, tokenizer, metr
         out[rows[:, None].expand(b, K + 1)[write], cols] = block[write]
         gen_len[rows] += n_tok
         texts = None
-        if tracker is not None:
-            texts = [""] * B
-            stop_hits = []
-            for i, r in enumerate(rows.tolist()):
-                piece, stopped = tracker.push(r, block[i, : int(n_tok[i])].tolist())
-                texts[r] = piece
-                stop_hits.append(stopped)
-            if cfg.stop_strings:
-                done |= torch.tensor(stop_hits, device=device)
+        if text is not None or want_chunks:
+            row_list = rows.tolist()
+            tok_list = [block[i, :n].tolist() for i, n in enumerate(n_tok.tolist())]
+        if text is not None:
+            texts, stops = text.push(row_list, tok_list)
+            if text.has_stop_strings:
+                done |= torch.tensor(stops, device=device)
         if rounds == 0:
             metrics.ttft_s = clock.lap("prefill")
         if want_chunks:
-            toks = [[] for _ in range(B)]
-            fin = [True] * B
-            for i, r in enumerate(rows.tolist()):
-                toks[r] = block[i, : int(n_tok[i])].tolist()
-                fin[r] = bool(done[i])
-            yield StreamChunk(rounds, toks, texts, fin)
+            yield chunk_for(rounds, B, row_list, tok_list, done.tolist(), texts)
         if bool(done.all()):
             break
         if bool(done.any()):

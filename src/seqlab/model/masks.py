@@ -80,3 +80,48 @@ def cached_self_attention_mask(valid: Tensor, start: int, n_new: int) -> Tensor 
     if n_new > 1:
         mask = mask & causal_mask(n_new, end, offset=start, device=valid.device)
     return ensure_attendable(mask)
+
+
+def positions(batch: int, length: int, attention_mask: Tensor | None = None, document_ids: Tensor | None = None,
+              device=None) -> Tensor:
+    """Position ids of one pass without a cache: restart per packed document, skip padding, else 0..T-1."""
+    if document_ids is not None:
+        return positions_from_documents(document_ids)
+    if attention_mask is not None:
+        return positions_from_mask(attention_mask)
+    return torch.arange(length, device=device).expand(batch, length)
+
+
+def self_attention_mask(length: int, causal: bool, attention_mask: Tensor | None = None,
+                        document_ids: Tensor | None = None) -> Tensor | None:
+    """The mask of one pass without a cache, or None where SDPA's own masking (``is_causal`` or none) is exact."""
+    if document_ids is not None:
+        return document_mask(document_ids, causal=causal)
+    if attention_mask is None:
+        return None
+    mask = padding_mask(attention_mask)
+    if causal:
+        mask = mask & causal_mask(length, device=attention_mask.device)
+    return ensure_attendable(mask)
+
+
+def cached_positions(cache, batch: int, length: int, attention_mask: Tensor | None = None, device=None) -> Tensor:
+    """Position ids of ``length`` new tokens per row: each row continues from the real tokens it already holds."""
+    start = cache.pos
+    if attention_mask is None and cache.dense:
+        return torch.arange(start, start + length, device=device).expand(batch, length)
+    new = torch.ones(batch, length, dtype=torch.long, device=device) if attention_mask is None else attention_mask
+    return positions_from_mask(new, start=cache.lengths())
+
+
+def cached_attention(cache, n_new: int) -> tuple[Tensor | None, bool]:
+    """(mask, is_causal) for ``n_new`` queries at the cache's reserved slots, over every slot written so far.
+
+    A dense cache (no padding, no holes) needs no mask: plain causal attention for a prefill, none at all for one
+    query. ``n_new`` is tested first so a decode step never compares the cache's fill level, which torch.compile
+    treats as symbolic (a SymBool cannot be SDPA's ``is_causal``; the graph would break at every layer).
+    """
+    start = cache.pos
+    if cache.dense and (n_new == 1 or start == 0):
+        return None, n_new > 1
+    return cached_self_attention_mask(cache.valid, start, n_new), False

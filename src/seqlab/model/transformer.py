@@ -82,43 +82,21 @@ class Stack(nn.Module):
         device = input_ids.device
         if cache is None:
             self._check_length(T)
-        if cache is not None:
-            if not self.causal:
-                raise ValueError("a KV cache only makes sense for causal (decoder) self-attention")
-            if cache.batch_size != B:
-                raise ValueError(f"cache holds {cache.batch_size} rows but the input has {B}")
-            start = cache.pos
+            if document_ids is not None or (attention_mask is not None and _all_true(attention_mask)):
+                attention_mask = None  # packed documents bring their own mask; an all-ones mask masks nothing
             if position_ids is None:
-                if attention_mask is None and cache.dense:
-                    position_ids = (torch.arange(start, start + T, device=device)).expand(B, T)
-                else:
-                    new = torch.ones(B, T, dtype=torch.long, device=device) if attention_mask is None else attention_mask
-                    position_ids = masks.positions_from_mask(new, start=cache.lengths())
-            cache.reserve(T, attention_mask)
-            if cache.dense:  # no padding, no holes: plain causal attention (or none at all for one query)
-                # T first: a decode step (T == 1) then never compares the cache's fill level, which torch.compile
-                # treats as symbolic (a SymBool cannot be SDPA's ``is_causal``; the graph would break per layer)
-                inputs = AttentionInputs(mask=None, is_causal=T > 1 and bool(start == 0), cache=cache)
-                if T > 1 and start > 0:
-                    inputs.mask = masks.cached_self_attention_mask(cache.valid, start, T)
-            else:
-                inputs = AttentionInputs(mask=masks.cached_self_attention_mask(cache.valid, start, T), cache=cache)
-        elif document_ids is not None:
-            if position_ids is None:
-                position_ids = masks.positions_from_documents(document_ids)
-            inputs = AttentionInputs(mask=masks.document_mask(document_ids, causal=self.causal))
-        elif attention_mask is None or _all_true(attention_mask):
-            if position_ids is None:
-                position_ids = torch.arange(T, device=device).expand(B, T)
-            inputs = AttentionInputs(is_causal=self.causal)
-        else:
-            if position_ids is None:
-                position_ids = masks.positions_from_mask(attention_mask)
-            mask = masks.padding_mask(attention_mask)
-            if self.causal:
-                mask = mask & masks.causal_mask(T, device=device)
-            inputs = AttentionInputs(mask=masks.ensure_attendable(mask))
-        return inputs, position_ids
+                position_ids = masks.positions(B, T, attention_mask, document_ids, device=device)
+            mask = masks.self_attention_mask(T, self.causal, attention_mask, document_ids)
+            return AttentionInputs(mask=mask, is_causal=self.causal and mask is None), position_ids
+        if not self.causal:
+            raise ValueError("a KV cache only makes sense for causal (decoder) self-attention")
+        if cache.batch_size != B:
+            raise ValueError(f"cache holds {cache.batch_size} rows but the input has {B}")
+        if position_ids is None:
+            position_ids = masks.cached_positions(cache, B, T, attention_mask, device=device)
+        cache.reserve(T, attention_mask)
+        mask, is_causal = masks.cached_attention(cache, T)
+        return AttentionInputs(mask=mask, is_causal=is_causal, cache=cache), position_ids
 
     def forward(
         self,

@@ -1,7 +1,7 @@
 """Decode benchmark: seqlab vs Hugging Face ``generate`` on the same weights, and the weight-streaming bound.
 
-Used by ``bench/generate_decode.py`` and ``seqlab bench``; it lives beside :mod:`seqlab.accel` because the
-accelerated model is one of its columns. Everything is measured in one process, interleaved
+Used by ``bench/generate_decode.py`` and ``bench/real_models_smollm2.py``; it lives outside the package because it
+imports ``transformers``, a development-only dependency. Everything is measured in one process, interleaved
 (HF, seqlab, HF, seqlab, ...) and summarised by the median, because the machine is shared and only ratios taken
 in the same run mean anything.
 
@@ -28,9 +28,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+from transformers import LlamaConfig, LlamaForCausalLM
+
 from seqlab.accel import PackedLinear, accelerate
 from seqlab.config import ModelConfig
 from seqlab.generate import GenerationConfig, generate_output
+from seqlab.io.checkpoint import load_state_into
+from seqlab.io.hf import convert_hf_state_dict
 from seqlab.model import build_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -72,12 +76,7 @@ class BenchRow:
 def build_models(bc: BenchConfig, dtype: torch.dtype, with_hf: bool):
     """A random Llama-style model as HF ``LlamaForCausalLM`` and the same weights imported into seqlab."""
     torch.manual_seed(bc.seed)
-    if with_hf:  # optional heavy dependencies: only where the HF side is wanted
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        from seqlab.io.checkpoint import load_state_into
-        from seqlab.io.hf import convert_hf_state_dict
-
+    if with_hf:
         hcfg = LlamaConfig(vocab_size=bc.vocab_size, hidden_size=bc.d_model, intermediate_size=bc.d_ff,
                            num_hidden_layers=bc.n_layers, num_attention_heads=bc.n_heads,
                            num_key_value_heads=bc.n_kv_heads, max_position_embeddings=4096, rms_norm_eps=1e-5,

@@ -1,0 +1,110 @@
+"""Text on top of token ids: incremental detokenisation, stop strings and streaming.
+
+The decode loops produce token ids only; they hand each step's tokens to a :class:`TextStream`, which says what
+text each row gained and whether a stop string now occurs, and they yield :class:`StreamChunk` s that
+:class:`Stream` passes on to the caller.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class TextTracker:
+    """Incremental detokenisation per row, for streaming text and stop strings.
+
+    Decodes the row's generated ids so far and emits what was added since last time; holds back text that
+    ends in U+FFFD (an incomplete UTF-8 byte sequence that the next token will complete).
+    """
+
+    def __init__(self, tokenizer, batch_size: int, stop_strings: list[str]):
+        self.tokenizer = tokenizer
+        self.ids: list[list[int]] = [[] for _ in range(batch_size)]
+        self.emitted = [0] * batch_size
+        self.stop_strings = stop_strings
+        self.text = [""] * batch_size
+
+    def push(self, row: int, tokens: list[int]) -> tuple[str, bool]:
+        """Append tokens to ``row``; return (new text piece, whether a stop string now occurs)."""
+        self.ids[row].extend(tokens)
+        text = self.tokenizer.decode(self.ids[row])
+        self.text[row] = text
+        stopped = any(s in text for s in self.stop_strings)
+        if text.endswith("\ufffd") and not stopped:
+            return "", False
+        piece = text[self.emitted[row]:]
+        self.emitted[row] = len(text)
+        return piece, stopped
+
+
+class TextStream:
+    """The text side of one request: a :class:`TextTracker` over the original rows of the batch."""
+
+    def __init__(self, tokenizer, batch_size: int, stop_strings: list[str]):
+        self.batch_size = batch_size
+        self.has_stop_strings = bool(stop_strings)
+        self.tracker = TextTracker(tokenizer, batch_size, stop_strings)
+
+    @classmethod
+    def for_request(cls, tokenizer, batch_size: int, stop_strings: list[str], want_text: bool) -> "TextStream | None":
+        """A TextStream when text is wanted (streaming with a tokenizer) or needed (stop strings), else None."""
+        if stop_strings and tokenizer is None:
+            raise ValueError("GenerationConfig.stop_strings needs a tokenizer (pass tokenizer=...)")
+        if tokenizer is None or not (want_text or stop_strings):
+            return None
+        return cls(tokenizer, batch_size, stop_strings)
+
+    def push(self, rows: list[int], tokens: list[list[int]], live: list[bool] | None = None
+             ) -> tuple[list[str], list[bool]]:
+        """Add ``tokens[i]`` to original row ``rows[i]`` for each live i.
+
+        Returns the new text piece per original row ("" where nothing was added) and, per i, whether a stop
+        string now occurs in that row's text.
+        """
+        texts = [""] * self.batch_size
+        stops = [False] * len(rows)
+        for i, (row, toks) in enumerate(zip(rows, tokens)):
+            if live is not None and not live[i]:
+                continue
+            texts[row], stops[i] = self.tracker.push(row, toks)
+        return texts, stops
+
+
+@dataclass
+class StreamChunk:
+    """What one step (or speculative round) added: per original row, the new token ids and text piece."""
+
+    step: int
+    tokens: list[list[int]]
+    texts: list[str] | None = None
+    finished: list[bool] = field(default_factory=list)
+
+
+def chunk_for(step: int, batch_size: int, rows: list[int], tokens: list[list[int]], finished: list[bool],
+              texts: list[str] | None) -> StreamChunk:
+    """A chunk over the original rows; rows no longer in the batch get no tokens and count as finished."""
+    toks: list[list[int]] = [[] for _ in range(batch_size)]
+    fin = [True] * batch_size
+    for row, t, f in zip(rows, tokens, finished):
+        toks[row], fin[row] = t, f
+    return StreamChunk(step, toks, texts, fin)
+
+
+class Stream:
+    """Iterate to receive :class:`StreamChunk` s as they are produced; afterwards ``.output`` holds the result.
+
+    >>> s = stream(model, ids, max_new_tokens=20, tokenizer=tok)
+    >>> for chunk in s: print(chunk.texts[0], end="", flush=True)
+    >>> s.output.metrics.ttft_s
+    """
+
+    def __init__(self, it: Iterator[StreamChunk]):
+        self._it = it
+        self.output: Any = None  # the GenerationOutput, once the iteration is over
+
+    def __iter__(self) -> Iterator[StreamChunk]:
+        if self.output is not None:
+            raise RuntimeError("this Stream was already consumed; call stream(...) again")
+        self.output = yield from self._it
+        return self.output
