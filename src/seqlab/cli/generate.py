@@ -5,6 +5,8 @@ import argparse
 import json
 import sys
 
+from seqlab.accel import accelerate
+
 
 
 def add_decode_speed_options(p: argparse.ArgumentParser) -> None:
@@ -123,8 +125,6 @@ def run(args: argparse.Namespace) -> int:
     if strategy == "beam" and cfg.num_beams == 1:
         cfg = cfg.updated(num_beams=4)
     if not args.no_accel:  # inference only from here on: routes for the rows a decode step multiplies
-        from seqlab.accel import accelerate
-
         for m in (model, draft):
             if m is not None:
                 accelerate(m, "decode", rows=len(prompts) * cfg.num_beams,

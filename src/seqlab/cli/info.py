@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from seqlab.accel import plan_for
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="show a model's configuration and size",
@@ -20,7 +22,5 @@ def run(args: argparse.Namespace) -> int:
     print(cfg.to_json())
     per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
     print(f"parameters: {model.num_parameters():,}   kv-cache: {per_token:,} bytes/token (fp32)")
-    from seqlab.accel import plan_for  # the routes `seqlab generate` would take here (calibrated once, cached)
-
-    print(plan_for(model, "decode", rows=1, dtype=None).summary())
+    print(plan_for(model, "decode", rows=1, dtype=None).summary())  # the routes `seqlab generate` would take here
     return 0

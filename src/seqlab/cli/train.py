@@ -18,6 +18,10 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
+from seqlab.accel import accelerate
+
 OBJECTIVES = ("clm", "mlm", "seq2seq", "sft", "dpo")
 
 # (flag, TrainConfig field, type, help)
@@ -140,9 +144,6 @@ def make_config(args: argparse.Namespace):
 
 
 def run_train(args: argparse.Namespace) -> int:
-    import torch
-
-    from seqlab.accel import accelerate
     from seqlab.train.run import build_run
     from seqlab.train.trainer import Trainer
 
