@@ -1,4 +1,5 @@
 # Two commands: `make demo` and `make test`. Both create .venv on first use and are idempotent.
+# `make test-avx2` runs the suite as an AVX2-only CPU would (ISA caps; .ci/run adds it on AVX-512/AMX machines).
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
@@ -7,7 +8,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-avx2 install bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +28,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS)
+
+AVX2_CAPS := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+
+test-avx2: $(STAMP)
+	$(AVX2_CAPS) $(BIN)/python -m pytest -q -n 2 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python bench/run_all.py

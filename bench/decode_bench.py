@@ -8,12 +8,12 @@ in the same run mean anything.
 * decode tok/s: ``new / (t(1 + new tokens) - t(1 token))`` for both libraries, i.e. the prefill and the first
   token are subtracted out the same way, so per-step overhead is all that differs.
 * TTFT: a 512-token prompt, ``max_new_tokens=1``.
-* columns: ``seqlab`` (the model as built: dense ``nn.Linear`` weights), ``seqlab+packed`` (the same weights
-  after :func:`seqlab.model.pack_for_inference`, what ``seqlab generate``/``chat`` run on CPU fp32),
-  ``seqlab+packed+compile`` (optional: the packed model's decode step under ``torch.compile``; plain
-  ``seqlab+compile`` where packing is unavailable), ``hf``.
+* columns: ``seqlab`` (the model as built: dense ``nn.Linear`` weights), ``seqlab+accel`` (a copy after
+  :func:`seqlab.accel.accelerate` for ``rows``-row decode in the same dtype, what ``seqlab generate``/``chat``
+  run), ``seqlab+accel+compile`` (optional: that copy's decode step under ``torch.compile``), ``hf``.
 * weight bound: every weight matrix of the model applied to ``batch`` activation rows, back to back, in the
-  model's dtype, with the faster of two kernels (``F.linear`` on dense weights, oneDNN on packed ones): the time
+  model's dtype, with the faster of two kernels (``F.linear`` on dense weights, oneDNN on packed ones, whatever
+  the accelerated copy chose): the time
   a decode step would take if it did nothing but stream the weights once. ``bound / step`` is the fraction of
   each step that is weight streaming (1.0 = no overhead at all).
 """
@@ -27,14 +27,15 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
+
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from seqlab.accel import PackedLinear, accelerate
 from seqlab.config import ModelConfig
 from seqlab.generate import GenerationConfig, generate_output
 from seqlab.io.checkpoint import load_state_into
 from seqlab.io.hf import convert_hf_state_dict
 from seqlab.model import build_model
-from seqlab.model.packing import PackedLinear, pack_for_inference
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -100,19 +101,20 @@ def weight_bound_ms(model, batch: int, repeats: int = 10, clock=None, packed=Non
     """Time to apply every weight matrix once to ``batch`` rows, per kernel, median of ``repeats``.
 
     ``dense``: ``F.linear`` on ``model``'s ``[out, in]`` weights (what an unpacked model, and HF, run); ``packed``:
-    oneDNN on the weights of ``packed`` (a :func:`seqlab.model.pack_for_inference`'d copy -- the very tensors a
-    packed decode step streams; fp32 CPU only). ``bound`` is the faster of the two: the honest floor for a decode
-    step on this machine, whichever kernel a library picks.
+    oneDNN on the packed weights of ``packed`` (an accelerated copy -- the very tensors its decode step streams),
+    where it packed any. ``bound`` is the faster of the two: the honest floor for a decode step on this machine,
+    whichever kernel a library picks.
     """
     clock = clock or CLOCK
     weights = weight_matrices(model)
     dtype = weights[0].dtype
     xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
     kernels = {"dense": [lambda w=w: F.linear(xs[w.shape[1]], w) for w in weights]}
-    if packed is not None:
-        layers = [m for m in packed.modules() if isinstance(m, PackedLinear)]
-        kernels["packed"] = [lambda m=m: torch.ops.mkldnn._linear_pointwise(xs[m.in_features], m.packed, None, "none",
-                                                                            [], "") for m in layers]
+    if packed is not None and any(isinstance(m, PackedLinear) for m in packed.modules()):
+        kernels["accel"] = [  # each layer as the accelerated copy runs it: packed where calibration packed it
+            (lambda m=m: torch.ops.mkldnn._linear_pointwise(xs[m.in_features], m.packed, None, "none", [], ""))
+            if isinstance(m, PackedLinear) else (lambda m=m: F.linear(xs[m.in_features], m.weight))
+            for m in packed.modules() if isinstance(m, (PackedLinear, torch.nn.Linear))]
     times: dict[str, list[float]] = {k: [] for k in kernels}
     for i in range(repeats + 1):
         for name, calls in kernels.items():  # interleaved, so a slow phase of a shared machine hits both
@@ -161,9 +163,9 @@ def run_benchmark(bc: BenchConfig, log=print) -> dict:
 
             impls = {"seqlab": ours}
             if packed is not None:
-                impls["seqlab+packed"] = lambda k: ours(k, packed)
+                impls["seqlab+accel"] = lambda k: ours(k, packed)
             if bc.compile:  # compile what runs fastest eagerly: the packed model where there is one
-                impls["seqlab+packed+compile" if packed is not None else "seqlab+compile"] = \
+                impls["seqlab+accel+compile" if packed is not None else "seqlab+compile"] = \
                     lambda k: ours(k, packed if packed is not None else model, compiled=True)
             if hf is not None:
                 impls["hf"] = theirs
@@ -204,7 +206,7 @@ def run_benchmark(bc: BenchConfig, log=print) -> dict:
         one = GenerationConfig(max_new_tokens=1, eos_token_id=[])
         runs = {"seqlab": lambda: generate_output(model, ids, None, one)}
         if packed is not None:
-            runs["seqlab+packed"] = lambda: generate_output(packed, ids, None, one)
+            runs["seqlab+accel"] = lambda: generate_output(packed, ids, None, one)
         if hf is not None:
             runs["hf"] = lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
                                              do_sample=False, pad_token_id=0)
@@ -222,10 +224,10 @@ def run_benchmark(bc: BenchConfig, log=print) -> dict:
     return results
 
 
-def packed_copy(model, rows: int):
-    """A copy of ``model`` with its weights packed for ``rows``-row decode steps, or None where packing is unavailable."""
-    packed = copy.deepcopy(model)
-    return packed if pack_for_inference(packed, rows) else None
+def packed_copy(model, rows: int, for_: str = "decode"):
+    """An accelerated copy of ``model`` for ``rows``-row products in the model's dtype (routes chosen by
+    :func:`seqlab.accel.accelerate`'s calibration, cached per machine)."""
+    return accelerate(copy.deepcopy(model), for_, rows=rows, dtype=None)
 
 
 def ratio_table(results: dict) -> str:

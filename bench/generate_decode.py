@@ -1,6 +1,8 @@
-"""Decode benchmark: seqlab vs Hugging Face ``LlamaForCausalLM.generate`` on the same random weights.
+"""Decode benchmark: seqlab (plain and accelerated) vs Hugging Face ``LlamaForCausalLM.generate``, same weights.
 
-    .venv/bin/python bench/generate_decode.py                      # fp32 + bf16, batch 1 and 8, TTFT@512
+    .venv/bin/python bench/generate_decode.py                      # fp32 + bf16, batch 1 and 8, TTFT@512,
+                                                                   # natively and under the AVX2 caps
+    .venv/bin/python bench/generate_decode.py --isa native         # this CPU's own ISA only
     .venv/bin/python bench/generate_decode.py --compile            # also seqlab with a torch.compile'd decode step
     .venv/bin/python bench/generate_decode.py --quick              # smaller run (CI smoke)
 
@@ -19,6 +21,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
 
 from decode_bench import BenchConfig, ratio_table, run_benchmark  # noqa: E402
 
@@ -40,7 +45,13 @@ def main() -> None:
     ap.add_argument("--ttft-prompt-len", type=int, default=512)
     ap.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "generate_decode.json"))
+    add_isa_options(ap)
     args = ap.parse_args()
+    if args.isa_child is None:  # the parent: one child per ISA, then every table again, side by side
+        res = run_per_isa(__file__, strip_isa_args(sys.argv[1:]), args.isa, args.out)
+        for isa, r in res["by_isa"].items():
+            print(f"\n### {isa}\n{r['table_markdown']}")
+        return
     bc = BenchConfig(dtypes=tuple(args.dtypes.split(",")), batches=tuple(int(b) for b in args.batches.split(",")),
                      new_tokens=args.new_tokens, repeats=args.repeats, compile=args.compile, clock=args.clock,
                      threads=args.threads, n_layers=args.layers, d_model=args.d_model, vocab_size=args.vocab,
@@ -48,6 +59,7 @@ def main() -> None:
     if args.quick:
         bc.n_layers, bc.new_tokens, bc.repeats, bc.ttft_prompt_len = 2, 16, 1, 64
     results = run_benchmark(bc, log=lambda s: print(s, file=sys.stderr, flush=True))
+    results["isa"] = args.isa_child
     table = ratio_table(results)
     print(table)
     results["table_markdown"] = table

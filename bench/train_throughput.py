@@ -11,8 +11,13 @@ MFU = achieved model FLOP/s / measured peak matmul FLOP/s of this machine in the
 token = 6 * (matmul parameters incl. the LM head) + 12 * n_layers * seq_len * d_model (attention scores and
 values, forward + backward), the PaLM accounting.
 
-    python bench/train_throughput.py                     # fp32 and bf16, default size
-    python bench/train_throughput.py --compile           # also seqlab with torch.compile
+Columns: ``seqlab`` (the plain model, AdamW foreach, as before), ``seqlab+fused`` (the same with
+``AdamW(fused=True)``, what ``seqlab train`` uses), ``seqlab+accel`` (also ``seqlab.accel.accelerate(model,
+"train")``: the fp32 product routes calibrated on this machine, what ``seqlab train`` runs on CPU), ``hf``.
+
+    python bench/train_throughput.py                     # fp32 and bf16, default size, native and AVX2 caps
+    python bench/train_throughput.py --isa native        # this CPU's own ISA only
+    python bench/train_throughput.py --compile           # also seqlab+accel with torch.compile
 Writes bench/results/train_throughput.json.
 """
 
@@ -22,11 +27,19 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
+
+from seqlab.accel import accelerate  # noqa: E402
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
@@ -71,7 +84,7 @@ def gemm_table(args, dtype: torch.dtype, reps: int = 5) -> list[dict]:
 
     Rows: every distinct linear shape (``count`` layers have it); products: forward ``x W^T``, input gradient
     ``g W`` and weight gradient ``g^T x``, each timed with MKL (``torch.mm``, what ``F.linear`` and HF run) and with
-    oneDNN (``mkldnn._linear_pointwise``, what ``seqlab.model.linear`` runs for fp32 CPU training; for the weight
+    oneDNN (``mkldnn._linear_pointwise``, what ``seqlab.accel``'s ``onednn-train`` routes run; for the weight
     gradient in both orientations, ``g^T x`` and ``(x^T g)^T``). Repetitions interleave the kernels.
     """
     n, d, v = args.batch_size * args.seq_len, args.d_model, args.vocab
@@ -131,11 +144,12 @@ def model_flops_per_token(args) -> float:
     return 6 * matmul_params + 12 * L * T * d
 
 
-def make_step(lib: str, model, precision: str, vocab: int, compiled: bool = False):
-    from seqlab.objectives import build_objective
+def make_step(lib: str, model, precision: str, vocab: int, compiled: bool = False, fused: bool = False):
     from seqlab.data import ByteTokenizer
+    from seqlab.objectives import build_objective
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
+                            **({"fused": True} if fused else {"foreach": True}))
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else None
     fwd = torch.compile(model) if compiled else model
     if lib == "seqlab":
@@ -180,21 +194,33 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--gemm-table", action="store_true", help="print each weight product's time per library")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "train_throughput.json"))
+    add_isa_options(ap)
     args = ap.parse_args()
+    if args.isa_child is None:  # the parent: one child per ISA
+        run_per_isa(__file__, strip_isa_args(sys.argv[1:]), args.isa, args.out)
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
 
     flops_tok = model_flops_per_token(args)
     tokens = args.batch_size * args.seq_len
     peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
-    results = []
+    results, plans = [], {}
     for precision in args.precisions.split(","):
         ours, hf, n_params = build_pair(args)
+        fused, _, _ = build_pair(args)
+        accel, _, _ = build_pair(args)
+        accelerate(accel, "train", rows=tokens, dtype=None)
+        plans[precision] = accel.accel_plan.summary()
         libs = {"seqlab": make_step("seqlab", ours, precision, args.vocab),
+                "seqlab+fused": make_step("seqlab", fused, precision, args.vocab, fused=True),
+                "seqlab+accel": make_step("seqlab", accel, precision, args.vocab, fused=True),
                 "hf": make_step("hf", hf, precision, args.vocab)}
         if args.compile:
             ours_c, _, _ = build_pair(args)
-            libs["seqlab+compile"] = make_step("seqlab", ours_c, precision, args.vocab, compiled=True)
+            accelerate(ours_c, "train", rows=tokens, dtype=None)
+            libs["seqlab+accel+compile"] = make_step("seqlab", ours_c, precision, args.vocab, compiled=True,
+                                                     fused=True)
         g = torch.Generator().manual_seed(0)
         batches = [torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=g) for _ in range(4)]
         for step in libs.values():  # warm up (oneDNN primitive creation, compile)
@@ -242,7 +268,8 @@ def main() -> None:
     out = {"config": vars(args), "flops_per_token": flops_tok, "matmul_peak_flops": peaks, "results": results,
            "weight_gemm_floor_s": floors, "gemm_table_ms": tables, "max_possible_speedup_vs_hf": ceilings,
            "speedup_vs_hf": speedups, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-           "threads": torch.get_num_threads()}
+           "threads": torch.get_num_threads(), "isa": args.isa_child,
+           "accel_plans": plans}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -124,8 +124,8 @@ def test_model_matches_hf(smollm, hf_smollm, monkeypatch, capsys):
     1. fp32 logits on 4 prompts, each alone and all as one left-padded batch: max abs diff < 1e-3.
     2. Greedy generation of 64 tokens on 5 chat prompts: HF generates each alone, seqlab all as one left-padded
        batch; identical up to and including EOS.
-    3. ``seqlab chat --message ... --temperature 0`` prints exactly HF's greedy reply. The CLI packs the weights for
-       oneDNN (``pack_for_inference``), so this is also the packed model's real-model check.
+    3. ``seqlab chat --message ... --temperature 0`` prints exactly HF's greedy reply. The CLI accelerates the model
+       (``seqlab.accel.accelerate``), so this is also the accelerated model's real-model check.
     """
     model, tok = smollm
     prompts = [tok.encode(t) for t in ("The capital of France is", "def fib(n):\n    return", "1, 2, 3, 4,")]
@@ -160,13 +160,11 @@ def test_model_matches_hf(smollm, hf_smollm, monkeypatch, capsys):
     import seqlab.cli.model_args as model_args
     from seqlab.cli import main
 
-    # a copy: the CLI packs the model it loads in place, and the session fixture must stay a plain model
+    # a copy: the CLI accelerates the model it loads in place, and the session fixture must stay a plain model
     loaded = copy.deepcopy(model)
     monkeypatch.setattr(model_args, "load_gguf", lambda path, dtype=torch.float32, device=None: (loaded, tok))
     assert main(["chat", "--message", CHATS[0][0]["content"], "--temperature", "0", "--max-new-tokens", "64"]) == 0
     reply = capsys.readouterr().out
-    from seqlab.model.packing import is_packed, packing_available
-
-    assert is_packed(loaded) == packing_available()
+    assert loaded.accel_plan.for_ == "decode"  # the CLI accelerated the model it loaded (routes by calibration)
     assert reply == tok.decode([t for t in expected[0] if t != eos], skip_special_tokens=True).strip() + "\n"
     assert "Paris" in reply

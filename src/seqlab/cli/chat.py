@@ -21,12 +21,12 @@ from pathlib import Path
 
 import torch
 
+from seqlab.accel import accelerate
 from seqlab.cli.generate import add_decode_speed_options
 from seqlab.cli.model_args import add_model_source, load_model, turn_end_ids
 from seqlab.cli.packaged import SMOLLM2_PACKAGE, missing_package, packaged_smollm2
 from seqlab.data import Tokenizer
 from seqlab.generate import stream
-from seqlab.model import pack_for_inference
 
 HISTORY_FILE = Path(os.environ.get("SEQLAB_CHAT_HISTORY", Path.home() / ".seqlab_chat_history"))
 
@@ -114,8 +114,8 @@ def _load_chat_model(args):
     loaded = load_model(args, default_gguf=packaged_smollm2())
     if not loaded.tokenizer.chat_template:
         raise ValueError(f"{loaded.path}: the model has no chat template; use `seqlab generate` instead")
-    if not getattr(args, "no_pack", False):
-        pack_for_inference(loaded.model, rows_hint=1)
+    if not args.no_accel:
+        accelerate(loaded.model, "decode", rows=1, dtype="auto" if args.dtype == "auto" else None)
     return loaded.path, loaded.model, loaded.tokenizer
 
 

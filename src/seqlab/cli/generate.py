@@ -12,18 +12,18 @@ import sys
 
 import torch
 
+from seqlab.accel import accelerate
 from seqlab.cli.model_args import add_model_source, check_writable, load_model, prompt_ids, turn_end_ids
 from seqlab.generate import GenerationConfig, generate_output, stream
 from seqlab.io import load_pretrained
-from seqlab.model import pack_for_inference
 from seqlab.runtime import atomic_write_text
 
 
 def add_decode_speed_options(p: argparse.ArgumentParser) -> None:
-    """``--no-pack`` and ``--compile``: the two decode-speed switches ``seqlab generate`` and ``seqlab chat`` share."""
-    p.add_argument("--no-pack", action="store_true",
-                   help="keep the linear weights dense (by default fp32 CPU models are packed for oneDNN, which "
-                        "makes decoding faster; see docs/generation.md)")
+    """``--no-accel`` and ``--compile``: the two decode-speed switches ``seqlab generate`` and ``seqlab chat`` share."""
+    p.add_argument("--no-accel", "--no-pack", dest="no_accel", action="store_true",
+                   help="run the plain model (by default the linear layers take the routes measured fastest on "
+                        "this CPU, see docs/acceleration.md; --no-pack is the old name)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the decode step (greedy/sample): faster steps after a one-off compilation "
                         "(tens of seconds to minutes; see docs/generation.md)")
@@ -126,10 +126,11 @@ def run(args: argparse.Namespace) -> int:
     )
     if strategy == "beam" and cfg.num_beams == 1:
         cfg = cfg.updated(num_beams=4)
-    if not args.no_pack:  # inference only from here on: pack for the rows a decode step multiplies
+    if not args.no_accel:  # inference only from here on: routes for the rows a decode step multiplies
         for m in (model, draft):
             if m is not None:
-                pack_for_inference(m, rows_hint=len(prompts) * cfg.num_beams)
+                accelerate(m, "decode", rows=len(prompts) * cfg.num_beams,
+                           dtype="auto" if args.dtype == "auto" else None)
     if args.stream:
         s = stream(model, ids, mask, cfg, draft_model=draft, tokenizer=tok)
         for chunk in s:
@@ -156,4 +157,3 @@ def run(args: argparse.Namespace) -> int:
                "metrics": m.to_dict()}
         atomic_write_text(args.json, json.dumps(doc, indent=2) + "\n")
     return 0
-

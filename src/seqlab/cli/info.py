@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from seqlab.accel import plan_for
 from seqlab.io import load_pretrained
 
 
@@ -22,4 +23,5 @@ def run(args: argparse.Namespace) -> int:
     print(cfg.to_json())
     per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
     print(f"parameters: {model.num_parameters():,}   kv-cache: {per_token:,} bytes/token (fp32)")
+    print(plan_for(model, "decode", rows=1, dtype=None).summary())  # the routes `seqlab generate` would take here
     return 0

@@ -38,8 +38,9 @@ def add_model_source(p: argparse.ArgumentParser, required: bool = True) -> None:
     src.add_argument("--gguf", metavar="PATH", help="GGUF file (llama architecture, byte-level BPE vocabulary)")
     src.add_argument("--model", metavar="HFDIR", help="Hugging Face folder (config.json, model.safetensors, "
                                                       "tokenizer.json)")
-    p.add_argument("--dtype", type=_dtype_name, choices=tuple(DTYPES), default="fp32",
-                   help="compute dtype: fp32 (default) or bf16 (float32/bfloat16 are accepted too)")
+    p.add_argument("--dtype", type=_dtype_name, choices=(*DTYPES, "auto"), default="fp32",
+                   help="compute dtype: fp32 (default), bf16 (float32/bfloat16 are accepted too), or auto: bf16 where "
+                        "this CPU has it natively and it measures faster (see docs/acceleration.md)")
     p.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda[:N]")
 
 
@@ -85,7 +86,7 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
 def load_model(args: argparse.Namespace, default_gguf: Path | None = None) -> LoadedModel:
     """The model and tokenizer the flags name (``default_gguf`` when none is given), on ``--device``."""
     device = check_device(args.device)
-    dtype = DTYPES[args.dtype]
+    dtype = DTYPES.get(args.dtype, torch.float32)  # auto: load fp32, the accelerator picks the compute dtype
     if args.checkpoint:
         folder = resolve_checkpoint(args.checkpoint)
         model = load_pretrained(folder, dtype=dtype, device=device)

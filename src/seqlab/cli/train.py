@@ -24,6 +24,9 @@ import signal
 import sys
 from pathlib import Path
 
+import torch
+
+from seqlab.accel import accelerate
 from seqlab.io.checkpoint import load_pretrained
 from seqlab.objectives import OBJECTIVES
 from seqlab.runtime.dist import resolve_device
@@ -174,6 +177,8 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = make_config(args)
     resolve_device(cfg.device)  # a missing GPU fails now, not after the data is built
     run = build_run(cfg, resume=args.resume, load_folder=_load_model_folder)
+    if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
+        accelerate(run.model, "train", rows=cfg.batch_size * cfg.seq_len, dtype=None)  # same Parameters, routes only
     trainer = Trainer(cfg, run.model, run.objective, run.train_data, run.val_data, tokenizer=run.tokenizer,
                       resume=args.resume, tensorboard_dir=args.tensorboard)
     try:

@@ -1,8 +1,6 @@
 """The Transformer core: config-driven blocks, masks built in one place, a static KV cache."""
 
 from seqlab.model.cache import CacheOverflowError, KVCache
-from seqlab.model.packing import PackedLinear, pack_for_inference
 from seqlab.model.transformer import Decoder, Encoder, EncoderDecoder, build_model
 
-__all__ = ["CacheOverflowError", "Decoder", "Encoder", "EncoderDecoder", "KVCache", "PackedLinear", "build_model",
-           "pack_for_inference"]
+__all__ = ["CacheOverflowError", "Decoder", "Encoder", "EncoderDecoder", "KVCache", "build_model"]

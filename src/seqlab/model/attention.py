@@ -15,7 +15,6 @@ from torch import Tensor, nn
 from seqlab.config import ModelConfig
 from seqlab.model.cache import KVCache
 from seqlab.model.layers import RMSNorm, apply_rotary
-from seqlab.model.linear import Linear
 
 
 @dataclass
@@ -39,8 +38,8 @@ class SelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.qkv = Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
-        self.out = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+        self.qkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
         # Qwen3: each query/key head is RMS-normalised (over head_dim) before the rotation
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
@@ -76,9 +75,9 @@ class CrossAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q = Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.kv = Linear(cfg.d_model, 2 * cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.out = Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+        self.q = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.kv = nn.Linear(cfg.d_model, 2 * cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.out = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
         self.attn_dropout = cfg.attn_dropout
         self.dropout = nn.Dropout(cfg.dropout)
 

@@ -9,7 +9,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from seqlab.config import ModelConfig
-from seqlab.model.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -53,8 +52,8 @@ class MLP(nn.Module):
         super().__init__()
         self.gated = cfg.mlp == "swiglu"
         self.d_ff = cfg.d_ff
-        self.up = Linear(cfg.d_model, (2 if self.gated else 1) * cfg.d_ff, bias=cfg.bias)
-        self.down = Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        self.up = nn.Linear(cfg.d_model, (2 if self.gated else 1) * cfg.d_ff, bias=cfg.bias)
+        self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
         self.act = activation_fn(cfg.activation)
         self.dropout = nn.Dropout(cfg.dropout)
 

@@ -21,7 +21,6 @@ from seqlab.model import masks
 from seqlab.model.attention import AttentionInputs, CrossAttention, CrossInputs, SelfAttention
 from seqlab.model.cache import KVCache
 from seqlab.model.layers import MLP, Embeddings, Rotary, activation_fn, make_norm
-from seqlab.model.linear import Linear
 
 
 class Block(nn.Module):
@@ -127,8 +126,8 @@ class LMHead(nn.Module):
         super().__init__()
         self.transform = None
         if cfg.mlm_head_transform:
-            self.transform = nn.Sequential(Linear(cfg.d_model, cfg.d_model), _Activation(cfg.activation), make_norm(cfg))
-        self.proj = Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
+            self.transform = nn.Sequential(nn.Linear(cfg.d_model, cfg.d_model), _Activation(cfg.activation), make_norm(cfg))
+        self.proj = nn.Linear(cfg.d_model, cfg.vocab_size, bias=cfg.lm_head_bias)
         if cfg.tie_embeddings:
             self.proj.weight = tok.weight
 

@@ -1,21 +1,21 @@
 """Packed (oneDNN) linear weights: same logits, same greedy tokens, nothing lost on save, no silent gradients."""
+import copy
+
 import pytest
 import torch
 
-from seqlab.config import ModelConfig
-from seqlab.generate import generate
+from seqlab.accel import PackedLinear, is_packed, pack_for_inference, packing_available
+from seqlab.generate import generate, generate_output
 from seqlab.io import load_pretrained, save_pretrained
-from seqlab.model import PackedLinear, build_model, pack_for_inference
-from seqlab.model.packing import is_packed, packing_available
+
+from .helpers import assert_same_greedy_tokens
+from .helpers import tiny_model as _model
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN (mkldnn) support")
-
-
-def _model(tie: bool = True, bias: bool = False):
-    torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64,
-                      tie_embeddings=tie, bias=bias)
-    return build_model(cfg).eval()
+# packed and dense products differ by summation order only: fp32 logits agree to ~1e-6 relative on these sizes;
+# greedy tokens are compared where the top-2 logit gap is 100x that tolerance (helpers.assert_same_greedy_tokens)
+ATOL = 1e-5
+MARGIN = 1e-3
 
 
 @pytest.mark.parametrize("tie,bias", [(True, False), (False, True)])
@@ -26,14 +26,16 @@ def test_packed_model_matches_dense(tie, bias):
     mask[0, :4] = 0  # a left-padded row
     with torch.no_grad():
         ref = model(ids, mask)
+    plain_ref = _model(tie, bias)
     ref_tokens = generate(model, ids, mask, max_new_tokens=12)
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert pack_for_inference(model, rows_hint=3) == n_linear > 0
     assert is_packed(model) and not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     with torch.no_grad():
         out = model(ids, mask)
-    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
-    assert torch.equal(generate(model, ids, mask, max_new_tokens=12), ref_tokens)
+    assert torch.allclose(out, ref, atol=ATOL, rtol=ATOL)
+    got = generate(model, ids[1:], mask[1:], max_new_tokens=12)  # unpadded rows: the margin check's forward pass
+    assert_same_greedy_tokens(plain_ref, ids.shape[1], ref_tokens[1:], got, MARGIN)
     if tie:  # the embedding keeps its dense table (lookups), the head its own packed copy
         assert isinstance(model.stack.embed.tok.weight, torch.nn.Parameter)
 
@@ -51,8 +53,6 @@ def test_repacking_for_another_row_count_keeps_the_weights():
 
 
 def test_a_copy_of_a_packed_model_is_independent():
-    import copy
-
     model = _model(tie=False, bias=True)
     pack_for_inference(model)
     clone = copy.deepcopy(model)
@@ -101,18 +101,20 @@ def test_packed_layers_refuse_gradients():
 
 
 def test_packing_skips_what_it_cannot_pack():
-    model = _model().to(torch.bfloat16)
+    model = _model().to(torch.float16)  # oneDNN packs fp32 and (where the CPU has it) bf16, not fp16
     assert pack_for_inference(model) == 0
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
 
 
 def test_packed_decode_step_compiles_to_the_same_tokens():
-    """Under torch.compile a packed layer is an opaque custom op (oneDNN's packed tensors cannot be traced)."""
-    from seqlab.generate import generate_output
+    """Under torch.compile a packed layer is an opaque custom op (oneDNN's packed tensors cannot be traced).
 
-    model = _model()
+    Inductor generates its own code for everything around the products (its vector width follows the ISA), so the
+    compiled logits equal the eager ones to rounding only: tokens are compared where the choice is decided.
+    """
+    model, plain = _model(), _model()
     ids = torch.randint(0, 97, (2, 6))
     pack_for_inference(model, rows_hint=2)
     eager = generate_output(model, ids, max_new_tokens=8, eos_token_id=[]).sequences
     compiled = generate_output(model, ids, max_new_tokens=8, eos_token_id=[], compile=True).sequences
-    assert torch.equal(compiled, eager)
+    assert_same_greedy_tokens(plain, ids.shape[1], eager, compiled, MARGIN)

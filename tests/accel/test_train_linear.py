@@ -1,24 +1,26 @@
-"""seqlab.model.Linear: the oneDNN training path computes what nn.Linear computes, and steps aside where it must."""
+"""TrainLinear: the oneDNN training route computes what nn.Linear computes, and steps aside where it must."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from seqlab.model.linear import Linear, _onednn_linear_op, uses_onednn
+from seqlab.accel.train_linear import TrainLinear, _onednn_linear_op, uses_onednn
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 
 
-def _pair(i: int, o: int, bias: bool):
+def _pair(i: int, o: int, bias: bool, wgrad: bool = False):
     torch.manual_seed(0)
-    ours = Linear(i, o, bias=bias)
     ref = torch.nn.Linear(i, o, bias=bias)
-    ref.load_state_dict(ours.state_dict())
+    ours = TrainLinear(torch.nn.Linear(i, o, bias=bias), wgrad_onednn=wgrad)
+    ours.load_state_dict(ref.state_dict())
     return ours, ref
 
 
-@pytest.mark.parametrize("i,o,bias", [(48, 80, True), (40, 24, False), (16, 200, True)])  # 16 -> 200: the "wide" branch
-def test_forward_and_gradients_match_nn_linear(i, o, bias):
-    ours, ref = _pair(i, o, bias)
+@pytest.mark.parametrize("i,o,bias,wgrad", [(48, 80, True, False), (40, 24, False, False), (16, 200, True, True),
+                                            (40, 24, False, True)])
+def test_forward_and_gradients_match_nn_linear(i, o, bias, wgrad):
+    # same products, another summation order: fp32 agreement to a few ulps of the ~1e-1-sized values, atol 1e-5
+    ours, ref = _pair(i, o, bias, wgrad)
     x = torch.randn(3, 7, i)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     assert uses_onednn(xa, ours.weight, ours.bias)
@@ -46,14 +48,14 @@ def test_non_contiguous_input_and_frozen_weight():
 
 
 def test_stock_path_where_onednn_does_not_apply():
-    lin = Linear(8, 4)
+    lin = TrainLinear(torch.nn.Linear(8, 4))
     x = torch.randn(2, 8, requires_grad=True)
     with torch.no_grad():
-        assert not uses_onednn(x, lin.weight, lin.bias)  # inference: packing's job, not this one's
+        assert not uses_onednn(x, lin.weight, lin.bias)  # inference: the packed route's job, not this one's
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert not uses_onednn(x, lin.weight, lin.bias)  # autocast must see F.linear to cast it
         assert lin(x).dtype == torch.bfloat16
-    bf = Linear(8, 4).to(torch.bfloat16)
+    bf = torch.nn.Linear(8, 4).to(torch.bfloat16)
     assert not uses_onednn(x.to(torch.bfloat16), bf.weight, bf.bias)
     assert not uses_onednn(torch.randn(2, 8), lin.weight.detach(), None)  # nothing to differentiate
 

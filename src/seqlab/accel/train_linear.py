@@ -1,16 +1,16 @@
-"""``Linear``: ``nn.Linear`` whose fp32 CPU training products run on oneDNN where that is the faster library.
+"""``TrainLinear``: an ``nn.Linear``'s parameters, with the fp32 CPU training products on oneDNN instead of MKL.
 
-Why: PyTorch sends fp32 CPU matrix products to MKL. On the AMD EPYC we develop on, MKL runs the products of a
-training step's forward pass and input gradient well below what oneDNN's JIT kernels reach on the same shapes:
-the GPT-2-shaped LM head's forward (2048 x 256 x 8192) takes 172 ms with MKL and 124 ms with oneDNN, and the
-layers' products are 15-40 % faster too. The weight gradient (``dY^T X``) is mostly the exception: MKL is as fast
-or faster there except for LM-head shapes, so it stays on MKL otherwise. ``bench/train_throughput.py`` prints the
-per-product table (``--gemm-table``).
+Why: PyTorch sends fp32 CPU matrix products to MKL; on some CPUs oneDNN's JIT kernels run a training step's
+forward product and input gradient faster on the same shapes, and for some shapes (LM heads: out >> in) the weight
+gradient too. Which library wins depends on the CPU and the shape, so :mod:`seqlab.accel.calibrate` times both
+routes (``onednn-train``: weight gradient on MKL; ``onednn-train-wgrad``: weight gradient on oneDNN too) against
+plain ``F.linear`` on this machine and keeps a route only where it is faster.
 
 Only plain fp32 CPU tensors take this path, and only while autograd records (training): under autocast,
-``torch.compile``, on GPU, in other dtypes, or without gradients, ``Linear`` is exactly ``nn.Linear``. Inference
-on CPU has its own, faster route (:mod:`seqlab.model.packing`). The products are the same mathematics with a
-different summation order, so results agree with ``F.linear`` to fp32 rounding (~1e-6 relative), not bitwise.
+``torch.compile``, on GPU, in other dtypes, or without gradients, ``TrainLinear`` is exactly ``nn.Linear``. The
+products are the same mathematics with a different summation order, so results agree with ``F.linear`` to fp32
+rounding (~1e-6 relative), not bitwise. The module shares the original layer's ``Parameter`` objects, so an
+optimizer built before the conversion keeps working and the state dict is unchanged.
 """
 from __future__ import annotations
 
@@ -47,22 +47,18 @@ def _onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Ten
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-# weight gradient of a layer with out_features >= _WIDE * in_features goes to oneDNN (measured: 2048 x 256 -> 8192
-# LM head, 96 ms against MKL's 109 ms; at out = 4 x in MKL is still the faster one)
-_WIDE = 8
-
-
 class _OneDNNLinearFn(torch.autograd.Function):
-    """Forward and input gradient on oneDNN, weight gradient on MKL (the faster library for each product)."""
+    """Forward and input gradient on oneDNN; weight gradient on oneDNN or MKL (``wgrad_onednn``)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, wgrad_onednn: bool) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         ctx.save_for_backward(x2, weight)
         ctx.has_bias = bias is not None
         ctx.in_shape = x.shape
+        ctx.wgrad_onednn = wgrad_onednn
         return _onednn_linear(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -75,14 +71,13 @@ class _OneDNNLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _onednn_linear(g, weight.t()).view(ctx.in_shape)
         if ctx.needs_input_grad[1]:
-            if weight.shape[0] >= _WIDE * weight.shape[1]:
-                # LM-head shapes (out >> in): oneDNN forms the transposed gradient x^T g faster than MKL forms g^T x
+            if ctx.wgrad_onednn:  # oneDNN forms the transposed gradient x^T g
                 grad_w = _onednn_linear(x2.t(), g.t()).t().contiguous()
             else:
                 grad_w = g.t().mm(x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
-        return grad_x, grad_w, grad_b
+        return grad_x, grad_w, grad_b, None
 
 
 def _plain(t: Tensor | None) -> bool:
@@ -91,7 +86,7 @@ def _plain(t: Tensor | None) -> bool:
 
 
 def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
-    """Whether :class:`Linear` sends this product to oneDNN (the conditions in the module docstring)."""
+    """Whether :class:`TrainLinear` sends this product to oneDNN (the conditions in the module docstring)."""
     return (_ONEDNN and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
             and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
             and (bias is None or bias.dtype == torch.float32) and x.numel() > 0
@@ -99,15 +94,30 @@ def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
             and not torch.is_autocast_enabled("cpu"))
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear`` with the oneDNN training path of :class:`Linear`."""
+def onednn_train_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, wgrad_onednn: bool = False) -> Tensor:
+    """``F.linear`` with the oneDNN training path where :func:`uses_onednn` holds."""
     if uses_onednn(x, weight, bias):
-        return _OneDNNLinearFn.apply(x, weight, bias)
+        return _OneDNNLinearFn.apply(x, weight, bias, wgrad_onednn)
     return F.linear(x, weight, bias)
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` (same parameters, state dict and init) with :func:`linear`'s faster fp32 CPU training path."""
+def train_route_available() -> bool:
+    return _ONEDNN
+
+
+class TrainLinear(nn.Module):
+    """An ``nn.Linear``'s own parameters (shared, not copied) with :func:`onednn_train_linear` as its product."""
+
+    def __init__(self, linear: nn.Linear, wgrad_onednn: bool = False):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.wgrad_onednn = wgrad_onednn
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+        return onednn_train_linear(x, self.weight, self.bias, self.wgrad_onednn)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"wgrad_onednn={self.wgrad_onednn}")

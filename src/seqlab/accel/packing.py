@@ -1,12 +1,11 @@
-"""Inference-only weight packing: linear layers whose weights live in oneDNN's blocked layout (CPU, fp32).
+"""Inference-only weight packing: linear layers whose weights live in oneDNN's blocked layout (CPU, fp32 or bf16).
 
 Why: a decode step is a chain of matrix-vector products (or, for a batch of B rows, matrix products with only B
 rows), so its speed is how fast the weights stream through the cores. On x86 CPUs the default path,
 ``F.linear`` -> MKL, streams a row-major ``[out, in]`` weight at well under the memory bandwidth for such thin
 products (on the AMD EPYC we develop on: about 60 % of the bandwidth at one row, and far worse at eight rows).
-oneDNN reorders the weight once into a blocked layout chosen for the expected number of rows; after that the same
-product runs about 1.3x faster at one row and 1.6-2x faster at eight (``bench/generate_decode.py``,
-``bench/real_models_smollm2.py``).
+oneDNN reorders the weight once into a blocked layout chosen for the expected number of rows, which is often faster
+for such products; whether it is on this machine is measured, not assumed (:mod:`seqlab.accel.calibrate`).
 
 The packed weight replaces the dense one (no extra memory), so a packed model is for inference only: oneDNN's
 product has no autograd formula, and :class:`PackedLinear` refuses inputs that need gradients rather than
@@ -21,17 +20,21 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from seqlab.model.linear import Linear
-
 
 def packing_available(dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> bool:
-    """True when this torch build can pack weights of ``dtype`` on ``device`` (fp32 on a CPU with oneDNN)."""
-    return (torch.device(device).type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    """True when this torch build can pack weights of ``dtype`` on ``device`` (fp32, or bf16 where oneDNN has it)."""
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 # torch.compile cannot trace oneDNN's opaque packed tensors, so a compiled graph calls packed layers through an
-# opaque custom op that names the layer by an integer handle (a constant to the compiler) instead.
+# opaque custom op that names the layer by an integer handle (a constant to the compiler) instead. The table
+# holds weak references only: it never keeps a layer alive, and a model that is never packed never touches it.
 _LIVE: weakref.WeakValueDictionary[int, PackedLinear] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
 
@@ -72,11 +75,12 @@ class PackedLinear(nn.Module):
         if tuple(weight.shape) != (self.out_features, self.in_features):
             raise ValueError(f"weight of shape {tuple(weight.shape)} does not fit a "
                              f"{self.in_features} -> {self.out_features} linear layer")
-        return torch.ops.mkldnn._reorder_linear_weight(weight.float().contiguous(), self.rows_hint)
+        dtype = weight.dtype if weight.dtype == torch.bfloat16 else torch.float32
+        return torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype).contiguous(), self.rows_hint)
 
     def forward(self, x: Tensor) -> Tensor:
         if x.requires_grad and torch.is_grad_enabled():
-            raise RuntimeError("this model's linear weights are packed for inference (seqlab.model.packing); "
+            raise RuntimeError("this model's linear weights are packed for inference (seqlab.accel); "
                                "gradients cannot flow through them. Train an unpacked model.")
         if torch.compiler.is_compiling():
             return _packed_linear_op(x, self.handle, self.out_features)
@@ -116,7 +120,7 @@ class PackedLinear(nn.Module):
 
 
 def pack_for_inference(model: nn.Module, rows_hint: int = 1) -> int:
-    """Replace every fp32 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear`, in place; return how many.
+    """Replace every fp32/bf16 CPU ``nn.Linear`` in ``model`` by a :class:`PackedLinear`, in place; return how many.
 
     ``rows_hint`` is the number of rows a decode step multiplies (the batch size, or the number of beams); oneDNN
     picks its blocking for it, but any row count works. Layers already packed for another ``rows_hint`` are
@@ -126,7 +130,7 @@ def pack_for_inference(model: nn.Module, rows_hint: int = 1) -> int:
     def wanted(m: nn.Module) -> bool:
         if isinstance(m, PackedLinear):
             return m.rows_hint != rows_hint
-        return type(m) in (nn.Linear, Linear) and packing_available(m.weight.dtype, m.weight.device)
+        return type(m) is nn.Linear and packing_available(m.weight.dtype, m.weight.device)
 
     # names, not modules: each dense layer must be freed as soon as its packed copy exists (peak memory ~ one layer)
     targets = [name for name, m in model.named_modules() if wanted(m)]

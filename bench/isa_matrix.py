@@ -1,0 +1,71 @@
+"""Run one bench script natively and under the AVX2 caps, one child process per instruction set, in one command.
+
+The caps (``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2``) are read when torch
+loads, so each ISA needs its own process. Each child gets a fresh accelerator calibration cache (a temporary
+folder), so the routes it measures are chosen under its own conditions, and writes its JSON to a temporary file;
+the parent collects them into ``{"by_isa": {isa: results}}`` at ``--out``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def default_isas() -> str:
+    """``native,avx2`` where the CPU has more than AVX2 (AVX-512 or AMX), else ``native``."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text(errors="replace")
+    except OSError:
+        return "native"
+    return "native,avx2" if (" avx512f" in flags or " amx_tile" in flags) else "native"
+
+
+def add_isa_options(ap) -> None:
+    ap.add_argument("--isa", default=default_isas(),
+                    help="comma list of native, avx2 (default: both where the CPU has more than AVX2)")
+    ap.add_argument("--isa-child", default=None, help="(internal) run this one ISA in this process")
+
+
+def run_per_isa(script: str, argv: list[str], isas: str, out: str) -> dict:
+    """Run ``script argv`` once per ISA in ``isas``; print each child's output; write and return the collection."""
+    collected: dict = {"by_isa": {}}
+    with tempfile.TemporaryDirectory(prefix="seqlab-bench-") as tmp:
+        for isa in isas.split(","):
+            if isa not in ("native", "avx2"):
+                sys.exit(f"--isa: unknown instruction set {isa!r} (native, avx2)")
+            env = {**os.environ, "SEQLAB_ACCEL_CACHE": str(Path(tmp) / f"cache-{isa}")}
+            if isa == "avx2":
+                env |= AVX2_CAPS
+            child_out = Path(tmp) / f"{isa}.json"
+            print(f"\n## ISA: {isa}", flush=True)
+            subprocess.run([sys.executable, script, *argv, "--isa-child", isa, "--out", str(child_out)], env=env,
+                           check=True)
+            collected["by_isa"][isa] = json.loads(child_out.read_text())
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = Path(out).with_suffix(".json.tmp")
+    tmp_out.write_text(json.dumps(collected, indent=2) + "\n")
+    os.replace(tmp_out, out)
+    print(f"wrote {out}", file=sys.stderr)
+    return collected
+
+
+def strip_isa_args(argv: list[str]) -> list[str]:
+    """``argv`` without ``--isa X`` / ``--out X`` (the parent sets both for each child)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--isa", "--out"):
+            skip = True
+            continue
+        if a.startswith(("--isa=", "--out=")):
+            continue
+        out.append(a)
+    return out

@@ -1,0 +1,186 @@
+"""``accelerate(model, for_=...)``: pick routes and a dtype for a built model by measurement, and apply them.
+
+Why from outside: the model is math only (plain ``nn.Linear``), so it stays correct on every machine and under
+every tool (autograd, export, compile); the CPU-specific choices live here, are measured on the running machine
+(:mod:`seqlab.accel.calibrate`) and can be removed again (:func:`restore_plain`) to get the same, slower model.
+
+``accelerate`` converts **in place** and returns the same model object (as ``model.to`` does): copy first
+(``copy.deepcopy``) to keep a plain one. ``seqlab.generate.generate`` never calls it; the CLI does.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from seqlab.accel.calibrate import dtype_name, fastest, load_cache, shape_key, store_cache, time_routes
+from seqlab.accel.cpu import current_signature, native_bf16
+from seqlab.accel.packing import PackedLinear
+from seqlab.accel.routes import USES, Route, Use, builtin_routes
+from seqlab.accel.train_linear import TrainLinear
+
+# bf16 changes the numbers (about 3 significant digits), so "auto" takes it only where it is clearly faster
+BF16_MIN_SPEEDUP = 1.25
+DISABLE_ENV = "SEQLAB_ACCEL"  # SEQLAB_ACCEL=0: accelerate() leaves every model plain
+DEFAULT_BUDGET_S = 10.0
+# rows a calibration product uses for prefill / training when the caller does not say (a shape class, not a limit)
+DEFAULT_ROWS = {"decode": 1, "prefill": 128, "train": 256}
+# longer prefills and bigger training batches are calibrated at this many rows (the choice hardly changes beyond)
+MAX_CALIBRATION_ROWS = 256
+
+
+@dataclass
+class ShapeChoice:
+    in_features: int
+    out_features: int
+    count: int  # layers of this shape in the model
+    route: str
+    timings_s: dict[str, float]  # route -> seconds per product
+
+
+@dataclass
+class AccelPlan:
+    """What :func:`accelerate` chose: the compute dtype, and a route per product shape, with the timings."""
+
+    for_: str
+    rows: int
+    dtype: str
+    shapes: dict[str, list[ShapeChoice]] = field(default_factory=dict)  # dtype -> per-shape choices
+    dtype_totals_s: dict[str, float] = field(default_factory=dict)  # dtype -> summed best time of every layer
+    calibration_s: float = 0.0  # time spent measuring now (0.0: everything came from the cache)
+    signature: str = ""
+
+    def route_for(self, in_features: int, out_features: int) -> str:
+        for c in self.shapes.get(self.dtype, []):
+            if (c.in_features, c.out_features) == (in_features, out_features):
+                return c.route
+        return "dense"
+
+    def summary(self) -> str:
+        lines = [f"accel for {self.for_} ({self.rows} rows/product): dtype {self.dtype}; "
+                 f"calibrated in {self.calibration_s:.1f} s (cache key {self.signature})"]
+        for dt, total in self.dtype_totals_s.items():
+            lines.append(f"  {dt}: all products {total * 1e3:.3f} ms")
+            for c in self.shapes.get(dt, []):
+                times = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in c.timings_s.items())
+                lines.append(f"    {c.in_features:>6d} -> {c.out_features:<6d} x{c.count:<3d} {c.route:<20s} ({times})")
+        return "\n".join(lines)
+
+
+def _linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear and m.weight.device.type == "cpu"]
+
+
+def _candidate_dtypes(model: nn.Module, for_: str, rows: int, dtype: str | torch.dtype | None) -> list[torch.dtype]:
+    current = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if for_ == "train":
+        current = torch.float32  # master weights stay fp32; bf16 means autocast
+    if dtype is None:
+        return [current]
+    if isinstance(dtype, torch.dtype):
+        return [dtype]
+    if dtype != "auto":
+        return [{"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]]
+    wants_bf16 = for_ in ("prefill", "train") or rows > 1  # batch-1 decode keeps fp32's exact greedy tokens
+    if current == torch.float32 and wants_bf16 and native_bf16():
+        return [torch.float32, torch.bfloat16]
+    return [current]
+
+
+def plan_for(model: nn.Module, for_: str = "decode", *, rows: int | None = None,
+             dtype: str | torch.dtype | None = "auto", routes: Sequence[Route] = (), budget_s: float = DEFAULT_BUDGET_S, use_cache: bool = True) -> AccelPlan:
+    """Measure (or read from the cache) the routes for every linear shape of ``model``; change nothing."""
+    if for_ not in USES:
+        raise ValueError(f"accelerate: for_ must be one of {', '.join(USES)}, not {for_!r}")
+    rows = int(rows or DEFAULT_ROWS[for_])
+    if rows < 1:
+        raise ValueError(f"accelerate: rows must be >= 1, not {rows}")
+    all_routes = _all_routes(routes)
+    sig = current_signature()
+    entries = load_cache(sig) if use_cache else {}
+    shapes = Counter((m.in_features, m.out_features, m.bias is not None) for _, m in _linears(model))
+    dtypes = _candidate_dtypes(model, for_, rows, dtype)
+    calib_rows = rows if for_ == "decode" else min(rows, MAX_CALIBRATION_ROWS)
+    uses = [Use(for_, calib_rows, dt) for dt in dtypes]
+    todo = [(use, s) for use in uses for s in shapes if shape_key(use, *s) not in entries]
+    t0 = time.perf_counter()
+    measured = {shape_key(use, *s): time_routes(use, *s, all_routes, budget_s / len(todo)) for use, s in todo}
+    plan = AccelPlan(for_, rows, dtype_name(dtypes[0]), signature=sig.key(),
+                     calibration_s=time.perf_counter() - t0 if todo else 0.0)
+    entries = (store_cache(sig, measured) if use_cache else {}) | {k: v for k, v in measured.items()
+                                                                 if not use_cache}
+    for use in uses:
+        choices, total = [], 0.0
+        for (i, o, b), n in shapes.items():
+            timings = entries[shape_key(use, i, o, b)]
+            best = fastest(timings)
+            choices.append(ShapeChoice(i, o, n, best, timings))
+            total += n * timings[best]
+        plan.shapes[dtype_name(use.dtype)] = choices
+        plan.dtype_totals_s[dtype_name(use.dtype)] = total
+    totals = plan.dtype_totals_s
+    if "bf16" in totals and "fp32" in totals:
+        plan.dtype = "bf16" if totals["bf16"] * BF16_MIN_SPEEDUP <= totals["fp32"] else "fp32"
+    return plan
+
+
+def _all_routes(extra: Sequence[Route]) -> list[Route]:
+    """The plain route first, then the caller's, then seqlab's own (names are unique: the first one wins)."""
+    ours = builtin_routes()
+    routes: dict[str, Route] = {}
+    for r in [ours[0], *extra, *ours[1:]]:
+        routes.setdefault(r.name, r)
+    return list(routes.values())
+
+
+def restore_plain(model: nn.Module) -> nn.Module:
+    """Undo :func:`accelerate` in place: every accelerated layer back to a plain ``nn.Linear``."""
+    for name, m in list(model.named_modules()):
+        if isinstance(m, (PackedLinear, TrainLinear)):
+            plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
+            if isinstance(m, TrainLinear):
+                plain.weight, plain.bias = m.weight, m.bias  # the same Parameters: optimizers keep working
+            else:
+                plain.weight = nn.Parameter(m.weight, requires_grad=False)
+                plain.bias = None if m.bias is None else nn.Parameter(m.bias.detach(), requires_grad=False)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, plain)
+    if hasattr(model, "accel_plan"):
+        del model.accel_plan
+    return model
+
+
+def accelerate(model: nn.Module, for_: str = "decode", *, rows: int | None = None,
+               dtype: str | torch.dtype | None = "auto", routes: Sequence[Route] = (),
+               budget_s: float = DEFAULT_BUDGET_S, use_cache: bool = True) -> nn.Module:
+    """Convert ``model`` in place for ``for_`` (``decode``, ``prefill`` or ``train``) and return it.
+
+    ``rows``: activation rows per product (decode: batch x beams; default per use). ``dtype``: ``"auto"`` (bf16
+    where the CPU has it natively and it measures clearly faster; never for batch-1 decode), ``None`` (keep the
+    model's), ``"fp32"``/``"bf16"``. For training the parameters stay fp32 and the plan's ``dtype`` is the autocast
+    dtype to use. ``routes``: extra :class:`~seqlab.accel.routes.Route`\\ s to consider (e.g. quantised ones). The
+    chosen plan is kept as ``model.accel_plan``.
+    """
+    restore_plain(model)
+    if os.environ.get(DISABLE_ENV, "").strip() in ("0", "off", "false", "no"):
+        return model  # the plain model: the switch that tells a slow route from a wrong one
+    plan = plan_for(model, for_, rows=rows, dtype=dtype, routes=routes, budget_s=budget_s, use_cache=use_cache)
+    compute = {"fp32": torch.float32, "bf16": torch.bfloat16}[plan.dtype]
+    if for_ != "train" and compute != next((p.dtype for p in model.parameters() if p.is_floating_point()), compute):
+        model.to(compute)
+    by_name = {r.name: r for r in _all_routes(routes)}
+    use = Use(for_, plan.rows, compute if for_ != "train" else torch.float32)
+    # names, not modules: each dense layer can be freed as soon as its replacement exists (peak ~ one layer)
+    for name, layer in _linears(model):
+        route = by_name[plan.route_for(layer.in_features, layer.out_features)]
+        if route.name == "dense":
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, route.convert(layer, use))
+    model.accel_plan = plan
+    return model

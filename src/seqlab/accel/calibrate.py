@@ -1,0 +1,173 @@
+"""Calibration: time every available route on each product shape, on this machine, and remember the result.
+
+Why: which library or layout runs a product fastest depends on the CPU, its ISA limits, the torch build, the
+shape and the number of rows; a threshold measured on one machine is wrong on the next. So the first use of a
+shape class times the routes (interleaved rounds, best round per call, on throwaway layers of that shape) and caches
+the timings on disk, keyed by :class:`~seqlab.accel.cpu.CpuSignature`. A different CPU, ISA cap, thread count or
+torch version is a different cache file, and a file whose stored signature disagrees is ignored.
+
+Cache location: ``$SEQLAB_ACCEL_CACHE`` (a folder) or ``$XDG_CACHE_HOME/seqlab`` or ``~/.cache/seqlab``; one file
+``accel-<signature hash>.json`` per signature. Delete it to recalibrate.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from seqlab.accel.cpu import CpuSignature
+from seqlab.accel.routes import Route, Use
+from seqlab.runtime import atomic_write_json
+
+try:  # POSIX only; elsewhere concurrent calibrations may each keep their own choice
+    import fcntl
+except ImportError:  # pragma: no cover
+    fcntl = None
+
+CACHE_ENV = "SEQLAB_ACCEL_CACHE"
+_FORMAT = 1
+_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+# a route whose first (warm-up) call is this many times slower than the plain one is dropped without further
+# timing: emulated bf16 on a CPU without native bf16 would otherwise eat the whole budget
+_HOPELESS = 20.0
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "seqlab"
+
+
+def cache_path(sig: CpuSignature) -> Path:
+    return cache_dir() / f"accel-{sig.key()}.json"
+
+
+def shape_key(use: Use, in_features: int, out_features: int, bias: bool) -> str:
+    """The shape class a measurement stands for: use, dtype, rows, product shape, bias."""
+    return f"{use.for_}|{dtype_name(use.dtype)}|rows={use.rows}|{in_features}x{out_features}|bias={int(bias)}"
+
+
+def load_cache(sig: CpuSignature) -> dict[str, dict[str, float]]:
+    """The cached timings (shape key -> route -> seconds per call) for ``sig``; empty if absent or stale."""
+    path = cache_path(sig)
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(doc, dict) or doc.get("format") != _FORMAT or doc.get("signature") != sig.to_dict():
+        return {}  # measured on another CPU, under other ISA caps, or with another torch: worthless here
+    entries = doc.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
+def store_cache(sig: CpuSignature, new: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Merge ``new`` into the cache file and return the merged entries, which the caller must use.
+
+    Entries already in the file win over new ones, under a lock: processes that calibrate the same shape at the
+    same time (test workers, DDP ranks) all end up with one choice, so a resumed run takes the routes its first
+    run took. An unwritable cache only costs a recalibration next time.
+    """
+    try:
+        cache_dir().mkdir(parents=True, exist_ok=True)
+        with open(cache_path(sig).with_suffix(".lock"), "a+") as lock:
+            if fcntl is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            entries = {**new, **load_cache(sig)}
+            atomic_write_json(cache_path(sig), {"format": _FORMAT, "signature": sig.to_dict(), "entries": entries})
+        return entries
+    except OSError:
+        return {**new, **load_cache(sig)}
+
+
+def _probe_layer(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, seed: int) -> nn.Linear:
+    g = torch.Generator().manual_seed(seed)
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out_features, in_features, generator=g) / in_features ** 0.5)
+        if bias:
+            layer.bias.zero_()
+    return layer.to(dtype)
+
+
+def _runner(module: nn.Module, use: Use, x: torch.Tensor) -> Callable[[], None]:
+    if use.inference:
+        def run() -> None:
+            with torch.inference_mode():
+                module(x)
+        return run
+    params = [p for p in module.parameters() if p.requires_grad]
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=use.dtype, enabled=use.dtype != torch.float32):
+            y = module(x)
+        y.float().sum().backward()
+        for p in params:
+            p.grad = None
+    return step
+
+
+def time_routes(use: Use, in_features: int, out_features: int, bias: bool, routes: Sequence[Route],
+                budget_s: float, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Seconds per product for each available route (best of interleaved rounds, within about ``budget_s``); the
+    first route is the plain one and is always timed. Routes that fail to convert or run are left out."""
+    weight_dtype = use.dtype if use.inference else torch.float32  # training: fp32 master weights under autocast
+    x = torch.randn(use.rows, in_features, dtype=weight_dtype, requires_grad=not use.inference)
+    runners: dict[str, Callable[[], None]] = {}
+    for route in routes:
+        if route.name in runners or not route.available(use):
+            continue
+        layer = _probe_layer(in_features, out_features, bias, weight_dtype, seed=in_features * 7919 + out_features)
+        if use.inference:
+            layer.requires_grad_(False)
+        try:
+            runners[route.name] = _runner(route.convert(layer, use), use, x)
+        except (RuntimeError, ValueError, NotImplementedError):
+            continue
+    first: dict[str, float] = {}
+    for name, run in list(runners.items()):  # warm-up: kernels JIT-compiled (first call), then one timed call
+        try:
+            run()
+            t0 = clock()
+            run()
+        except (RuntimeError, ValueError, NotImplementedError):
+            del runners[name]
+            continue
+        first[name] = clock() - t0
+    plain = next(iter(first.values()), 0.0)
+    for name in list(runners)[1:]:
+        if first[name] > _HOPELESS * plain + 1e-3:
+            del runners[name]
+    samples: dict[str, list[float]] = {name: [] for name in runners}
+    reps = max(1, min(50, int(2e-3 / max(plain, 1e-7))))  # a round of the plain route takes ~2 ms or more
+    round_cost = reps * sum(first[name] for name in runners)
+    # no timed round at all when the warm-up already spent the budget: then the warm-up times are the measurement
+    rounds = max(0, min(15, int((budget_s - sum(first.values())) / max(round_cost, 1e-9))))
+    if rounds == 0:
+        return {name: first[name] for name in runners}
+    for _ in range(rounds):
+        for name, run in runners.items():  # interleaved: a busy phase of a shared machine hits every route
+            t0 = clock()
+            for _ in range(reps):
+                run()
+            samples[name].append((clock() - t0) / reps)
+    # the minimum, not the median: other processes only ever add time, so the fastest round is the kernel's speed
+    return {name: min(s) for name, s in samples.items()}
+
+
+def fastest(timings: dict[str, float], plain: str = "dense") -> str:
+    """The fastest route; the plain one unless another is strictly faster than it."""
+    best = plain if plain in timings else min(timings, key=timings.__getitem__)
+    for name, t in timings.items():
+        if t < timings[best]:
+            best = name
+    return best

@@ -1,0 +1,32 @@
+"""Shared by the accelerator tests: a tiny model, and greedy-token equality that rests on a margin."""
+import torch
+
+from seqlab.config import ModelConfig
+from seqlab.model import build_model
+
+
+def tiny_model(tie: bool = True, bias: bool = False, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64,
+                      tie_embeddings=tie, bias=bias)
+    return build_model(cfg).eval()
+
+
+def assert_same_greedy_tokens(reference_model, prompt_len: int, expected: torch.Tensor, got: torch.Tensor,
+                              margin: float) -> None:
+    """``got`` equals ``expected`` up to each row's first step whose top-2 logit gap is below ``margin``.
+
+    Why a margin: two numerics paths (packed vs dense kernels, compiled vs eager, another ISA's vector width) agree
+    on logits only to rounding. Where the two best logits are closer than that, either token is a correct greedy
+    choice and the rows may legitimately diverge from there on; everywhere before, they must be identical. The gaps
+    come from a plain full forward pass of ``reference_model`` over ``expected`` (rows without padding).
+    """
+    assert expected.shape == got.shape
+    with torch.no_grad():
+        logits = reference_model(expected).float()
+    top2 = logits[:, prompt_len - 1:-1].topk(2, dim=-1).values
+    gaps = top2[..., 0] - top2[..., 1]  # [batch, new tokens]: how decided each greedy step was
+    for row in range(expected.shape[0]):
+        close = (gaps[row] < margin).nonzero()
+        stop = prompt_len + (int(close[0]) if len(close) else gaps.shape[1])
+        assert torch.equal(got[row, :stop], expected[row, :stop]), (row, stop, got[row], expected[row])

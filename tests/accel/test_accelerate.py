@@ -1,0 +1,184 @@
+"""accelerate(): same numbers as the plain model (per-dtype tolerances), choices by measurement, cache per CPU."""
+import copy
+import dataclasses
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from seqlab.accel import PackedLinear, TrainLinear, accelerate, plan_for, restore_plain
+from seqlab.accel import apply as accel_apply
+from seqlab.accel import calibrate
+from seqlab.accel.cpu import current_signature, native_bf16
+from seqlab.accel.routes import DenseRoute, PackedRoute, Use
+from seqlab.cli import build_parser, main
+from seqlab.generate import generate
+from seqlab.io import save_pretrained
+
+from .helpers import tiny_model
+
+# fp32 routes change only the summation order: logits (|x| ~ 1) agree to ~1e-6; 1e-5 leaves room for any ISA
+FP32_ATOL = 1e-5
+# bf16 weights and products keep 8 significant bits: logits of this tiny model move by up to ~1e-2
+BF16_ATOL = 5e-2
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(accel_apply.DISABLE_ENV, raising=False)
+
+
+class SlowPacked(PackedRoute):
+    """The packed route with a sleep per product: calibration must never pick it."""
+
+    name = "slow-packed"
+    calls = 0
+
+    def convert(self, layer, use):
+        packed = super().convert(layer, use)
+        inner = packed.forward
+
+        def slow(x):
+            SlowPacked.calls += 1
+            time.sleep(2e-3)
+            return inner(x)
+
+        packed.forward = slow
+        return packed
+
+
+def _ids(batch=3, length=9):
+    return torch.randint(0, 97, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("for_,rows", [("decode", 1), ("decode", 3), ("prefill", None)])
+def test_accelerated_fp32_logits_equal_the_plain_model(for_, rows):
+    plain, model = tiny_model(tie=False, bias=True), tiny_model(tie=False, bias=True)
+    assert accelerate(model, for_, rows=rows, dtype="fp32", budget_s=0.5) is model  # in place, same object
+    assert model.accel_plan.dtype == "fp32"
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), plain(ids), atol=FP32_ATOL, rtol=FP32_ATOL)
+
+
+@pytest.mark.skipif(not native_bf16(), reason="bf16 is only chosen where the CPU has native bf16")
+def test_accelerated_bf16_logits_are_close_to_fp32():
+    plain, model = tiny_model(), tiny_model()
+    accelerate(model, "prefill", dtype="bf16", budget_s=0.5)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).float(), plain(ids), atol=BF16_ATOL, rtol=0)
+
+
+def test_training_routes_give_the_plain_gradients():
+    plain, model = tiny_model(tie=False, bias=True), tiny_model(tie=False, bias=True)
+    params_before = list(model.parameters())
+    accelerate(model, "train", rows=27, dtype="fp32", budget_s=0.5)
+    assert list(model.parameters()) == params_before  # the same Parameter objects: an optimizer keeps working
+    # whatever the calibration picked, the oneDNN training route must also be checked: force it on every layer
+    forced = tiny_model(tie=False, bias=True)
+    for name, m in list(forced.named_modules()):
+        if type(m) is nn.Linear:
+            parent, _, child = name.rpartition(".")
+            setattr(forced.get_submodule(parent), child, TrainLinear(m, wgrad_onednn=child == "proj"))
+    ids = _ids()
+    for net in (plain, model, forced):
+        net.train()
+        net(ids).logsumexp(-1).sum().backward()
+    for (name, p), q, r in zip(plain.named_parameters(), model.parameters(), forced.parameters()):
+        # gradients: the same sums in another order, before any optimizer amplifies the rounding
+        torch.testing.assert_close(q.grad, p.grad, atol=FP32_ATOL, rtol=FP32_ATOL, msg=name)
+        torch.testing.assert_close(r.grad, p.grad, atol=FP32_ATOL, rtol=FP32_ATOL, msg=name)
+
+
+def test_a_route_made_slow_is_not_chosen():
+    model = tiny_model()
+    plan = plan_for(model, "decode", rows=1, dtype="fp32", routes=[SlowPacked()], budget_s=0.5)
+    assert SlowPacked.calls > 0  # it was tried (and then timed, or dropped as hopeless after its first call)
+    for choice in plan.shapes["fp32"]:
+        assert choice.timings_s.get("slow-packed", float("inf")) > choice.timings_s["dense"]
+        assert choice.route != "slow-packed"
+
+
+def test_a_route_faster_than_plain_is_chosen_and_slower_never():
+    timings = {"dense": 2.0, "a": 1.0, "b": 3.0}
+    assert calibrate.fastest(timings) == "a"
+    assert calibrate.fastest({"dense": 1.0, "b": 1.0}) == "dense"  # a tie keeps the plain route
+
+
+def test_cache_is_reused_and_invalidated_by_cpu_or_torch(monkeypatch):
+    model = tiny_model()
+    first = plan_for(model, "decode", rows=2, dtype="fp32", budget_s=0.3)
+    assert first.calibration_s > 0
+    again = plan_for(model, "decode", rows=2, dtype="fp32", budget_s=0.3)
+    assert again.calibration_s == 0.0  # every shape came from the cache
+    assert [c.timings_s for c in again.shapes["fp32"]] == [c.timings_s for c in first.shapes["fp32"]]
+    real = current_signature()
+    for change in ({"cpu_model": "Another CPU"}, {"torch_version": "9.9.9"}, {"flags": ("avx2",)}):
+        other = dataclasses.replace(real, **change)
+        assert other.key() != real.key()
+        monkeypatch.setattr(accel_apply, "current_signature", lambda other=other: other)
+        assert calibrate.load_cache(other) == {}
+        assert plan_for(model, "decode", rows=2, dtype="fp32", budget_s=0.3).calibration_s > 0
+    # a file whose stored signature disagrees with its name is ignored too
+    path = calibrate.cache_path(real)
+    doc = path.read_text().replace(real.torch_version, "0.0.0")
+    path.write_text(doc)
+    assert calibrate.load_cache(real) == {}
+
+
+def test_restore_plain_and_the_off_switch(monkeypatch):
+    model = tiny_model(tie=False)
+    ref = copy.deepcopy(model)
+    accelerate(model, "decode", rows=1, dtype="fp32", budget_s=0.3,
+               routes=[type("Always", (PackedRoute,), {"name": "always"})()])
+    restore_plain(model)
+    assert not any(isinstance(m, (PackedLinear, TrainLinear)) for m in model.modules())
+    assert not hasattr(model, "accel_plan")
+    ids = _ids()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids), atol=FP32_ATOL, rtol=FP32_ATOL)
+    monkeypatch.setenv(accel_apply.DISABLE_ENV, "0")
+    accelerate(model, "decode", rows=1, budget_s=0.3)
+    assert all(type(m) is not PackedLinear for m in model.modules()) and not hasattr(model, "accel_plan")
+
+
+def test_generate_leaves_a_plain_model_plain():
+    model = tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    generate(model, _ids(1, 5), max_new_tokens=4)
+    assert all(type(m) is not PackedLinear for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_bad_use_is_a_clear_error():
+    with pytest.raises(ValueError, match="for_ must be one of"):
+        accelerate(tiny_model(), "serve")
+
+
+@pytest.mark.parametrize("flag", ["--no-accel", "--no-pack"])
+def test_no_accel_flag_and_its_old_name(flag):
+    for cmd in (["generate", "--checkpoint", "x", "--prompt", "p"], ["chat", "--message", "hi"]):
+        args = build_parser().parse_args([*cmd, flag])
+        assert args.no_accel is True
+
+
+def test_probe_use_keys_name_every_dimension():
+    a = calibrate.shape_key(Use("decode", 1, torch.float32), 64, 96, False)
+    assert a != calibrate.shape_key(Use("decode", 2, torch.float32), 64, 96, False)
+    assert a != calibrate.shape_key(Use("prefill", 1, torch.float32), 64, 96, False)
+    assert a != calibrate.shape_key(Use("decode", 1, torch.bfloat16), 64, 96, False)
+    assert a != calibrate.shape_key(Use("decode", 1, torch.float32), 64, 96, True)
+    assert DenseRoute().convert(nn.Linear(2, 2), Use("decode", 1, torch.float32)) is not None
+
+
+def test_info_prints_the_chosen_routes_and_timings(tmp_path, capsys):
+    save_pretrained(tiny_model(), tmp_path / "m")
+    assert main(["info", str(tmp_path / "m")]) == 0
+    out = capsys.readouterr().out
+    assert "accel for decode (1 rows/product): dtype fp32" in out
+    assert "dense" in out and " us" in out  # every shape with its route and the measured time of each route
+
