@@ -10,6 +10,7 @@ See docs/serving.md for the endpoints, the scheduler and the load test.
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 from pathlib import Path
 
@@ -53,6 +54,8 @@ def _check_args(args) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.quant and importlib.util.find_spec("seqlab.quant") is None:
+        raise ValueError(f"--quant {args.quant}: quantisation is not available in this build (no seqlab.quant)")
     path = Path(args.gguf or args.checkpoint or args.model)
     if args.gguf and not path.is_file():
         raise FileNotFoundError(f"--gguf {path}: no such file")
@@ -79,11 +82,10 @@ def load(args):
 def prepare_model(model, args):
     """The one place the loaded model is made ready for serving (quantisation, packed weights)."""
     if args.quant:
-        if importlib.util.find_spec("seqlab.quant") is None:
-            raise ValueError(f"--quant {args.quant}: quantisation is not available in this build (no seqlab.quant)")
-        from seqlab.quant import quantize_model  # optional layer, present once quantisation lands
-
-        model = quantize_model(model, args.quant)
+        quant = importlib.import_module("seqlab.quant")  # a layer built in parallel; reconnect here when it lands
+        if not hasattr(quant, "quantize_model"):
+            raise ValueError(f"--quant {args.quant}: seqlab.quant has no quantize_model(model, scheme) to apply it")
+        model = quant.quantize_model(model, args.quant)
     if not args.no_pack:
         from seqlab.model import pack_for_inference
 
