@@ -65,7 +65,7 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> Starlette:
         events: asyncio.Queue[Event] = asyncio.Queue()
         req = Request(ids, body.max_tokens or engine.context, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
                       tokenizer, temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop,
-                      stop_ids=stop_ids, strip=chat)
+                      stop_ids=[] if body.ignore_eos else stop_ids, strip=chat)
         try:
             engine.submit(req)
         except QueueFullError as e:

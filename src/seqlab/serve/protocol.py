@@ -46,6 +46,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-text (load tests)
     messages: list[dict[str, str]] | None = None  # chat
     prompt: str | None = None  # completions
 
@@ -98,12 +99,16 @@ def _common(body: Any) -> GenerationRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("stream_options", "must be an object")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad("ignore_eos", f"must be true or false, got {ignore_eos!r}")
     max_tokens = _int(body, "max_completion_tokens", 1)
     max_tokens = _int(body, "max_tokens", 1) if max_tokens is None else max_tokens
     return GenerationRequest(
         model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), seed=_int(body, "seed", -(2**63)),
         stop=_stop(body), stream=stream, include_usage=bool(options.get("include_usage", False)),
+        ignore_eos=ignore_eos,
     )
 
 
@@ -164,8 +169,7 @@ def chat_chunk(rid: str, model: str, delta: dict, finish: str | None) -> dict:
             "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
 
 
-def completion_response(rid: str, model: str, text: str, finish: str | None, use: dict | None,
-                        chunk: bool = False) -> dict:
+def completion_response(rid: str, model: str, text: str, finish: str | None, use: dict | None) -> dict:
     body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
     if use is not None:
