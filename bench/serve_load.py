@@ -112,6 +112,8 @@ def _pct(values: list[float], q: float) -> float:
 
 def start_server(gguf: Path, port: int, args) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)  # the server's torch threads (1 on a crowded machine)
     cmd = [sys.executable, "-m", "seqlab", "serve", "--gguf", str(gguf), "--port", str(port),
            "--max-batch", str(args.max_batch), "--max-queue", str(max(args.requests, 64)),
            "--context", str(args.context), "--model-name", "smollm2"]
@@ -133,6 +135,7 @@ def main() -> int:
     p.add_argument("--max-prompt", type=int, default=500)
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the server (default: torch's)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", type=Path, default=ROOT / "bench" / "results" / "serve_load.json")
     args = p.parse_args()
