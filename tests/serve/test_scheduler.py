@@ -83,7 +83,7 @@ def test_seeded_sampled_request_is_the_same_alone_or_among_others(model):
 
 
 def test_threaded_engine_with_concurrent_submitters(model):
-    prompts = _prompts([5, 19, 2, 11, 27, 8])
+    prompts = _prompts([5, 19, 2, 11, 27, 8, 33, 14])
     engine = Engine(model, max_batch=3, max_queue=8, context=96, prefill_chunk=16)
     engine.start()
     results: dict[int, list[Event]] = {}
