@@ -132,6 +132,12 @@ QUANT_CASES: list[Case] = [
 ]
 
 SERVE_CASES: list[Case] = [
+    Case("serve-missing-gguf", ["serve", "--gguf", "{tmp}/nope.gguf", "--port", "0"], "--gguf"),
+    Case("serve-missing-checkpoint", ["serve", "--checkpoint", "{tmp}/nope", "--port", "0"], "--checkpoint"),
+    Case("serve-not-a-gguf", ["serve", "--gguf", "{tmp}/bad.gguf", "--port", "0"], "bad.gguf", files={"bad.gguf": "not a gguf file"}),
+    Case("serve-bad-port", ["serve", "--gguf", "{tmp}/bad.gguf", "--port", "70000"], "--port", files={"bad.gguf": "x"}),
+    Case("serve-zero-batch", ["serve", "--gguf", "{tmp}/bad.gguf", "--max-batch", "0"], "--max-batch", files={"bad.gguf": "x"}),
+    Case("serve-negative-queue", ["serve", "--gguf", "{tmp}/bad.gguf", "--max-queue", "-1"], "--max-queue", files={"bad.gguf": "x"}),
 ]
 
 ALL_CASES = (TRAIN_CASES + EVAL_CASES + GENERATE_CASES + CHAT_CASES + NNQS_CASES + INFO_CASES + EXPORT_CASES

@@ -23,10 +23,11 @@ import torch
 
 from seqlab.accel import accelerate
 from seqlab.cli.generate import add_decode_speed_options
-from seqlab.cli.model_args import add_model_source, load_model, turn_end_ids
+from seqlab.cli.model_args import add_model_source, load_model
 from seqlab.cli.packaged import SMOLLM2_PACKAGE, missing_package, packaged_smollm2
 from seqlab.data import Tokenizer
 from seqlab.generate import stream
+from seqlab.generate.chat import turn_end_ids
 
 HISTORY_FILE = Path(os.environ.get("SEQLAB_CHAT_HISTORY", Path.home() / ".seqlab_chat_history"))
 

@@ -13,8 +13,9 @@ import sys
 import torch
 
 from seqlab.accel import accelerate
-from seqlab.cli.model_args import add_model_source, check_writable, load_model, prompt_ids, turn_end_ids
+from seqlab.cli.model_args import add_model_source, check_writable, load_model, prompt_ids
 from seqlab.generate import GenerationConfig, generate_output, stream
+from seqlab.generate.chat import turn_end_ids
 from seqlab.io import load_pretrained
 from seqlab.runtime import atomic_write_text
 

@@ -113,17 +113,3 @@ def prompt_ids(loaded: LoadedModel, text: str, bos: bool = True) -> list[int]:
     if loaded.kind == "seqlab":
         return ([tok.bos_id] if bos and tok.bos_id is not None else []) + tok.encode(text)
     return tok.encode(text, add_special_tokens=bos)
-
-
-# Chat-turn terminators used by common templates; any of them present in the vocabulary ends a reply.
-TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "</s>")
-
-
-def turn_end_ids(tokenizer: Tokenizer) -> list[int]:
-    """Ids that end an assistant turn: EOS, the end-of-turn token, and any standard terminator in the vocabulary."""
-    ids = [i for i in (tokenizer.eos_id, tokenizer.eot_id) if i is not None]
-    for tok in TURN_END_TOKENS:
-        i = tokenizer.token_to_id(tok)
-        if i is not None and i in tokenizer.special_ids:
-            ids.append(i)
-    return list(dict.fromkeys(ids))

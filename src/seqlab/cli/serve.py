@@ -1,0 +1,76 @@
+"""``seqlab serve``: an OpenAI-compatible HTTP server (chat and text completions) with continuous batching.
+
+    seqlab serve --gguf model.gguf --port 8000
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "model", "messages": [{"role": "user", "content": "Hi"}]}'
+
+See docs/serving.md for the endpoints, the scheduler and the load test.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from torch import nn
+
+from seqlab.accel import accelerate
+from seqlab.cli.model_args import add_model_source, load_model
+from seqlab.serve.app import create_app
+from seqlab.serve.scheduler import Engine
+from seqlab.serve.server import bind, serve
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server with continuous batching",
+        description="Serve /v1/chat/completions, /v1/completions, /v1/models and /health. Requests join and leave "
+                    "the running decode batch at every step; at start-up one line `listening on http://HOST:PORT` "
+                    "is printed. SIGTERM stops admitting, lets running replies finish (--shutdown-timeout) and "
+                    "exits 0.")
+    add_model_source(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on the listening line)")
+    p.add_argument("--max-batch", type=int, default=16, help="KV slots: requests decoded together (default 16)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a slot; beyond that the answer is 429 (default 64)")
+    p.add_argument("--context", type=int, default=2048,
+                   help="positions per KV slot: prompt + reply (default 2048, at most the model's own context)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens prefilled per step; running replies wait at most this long (default 256)")
+    p.add_argument("--no-accel", "--no-pack", dest="no_accel", action="store_true",
+                   help="plain dense weights (default: the CPU routes seqlab measured fastest here)")
+    p.add_argument("--model-name", help="the model id clients pass (default: the file or folder name)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds running replies may take to finish after SIGTERM (default 10)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.set_defaults(func=run)
+
+
+def _check_args(args) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    for flag in ("max_batch", "max_queue", "context", "prefill_chunk"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+
+
+def prepare_model(model: nn.Module, accel: bool = True) -> nn.Module:
+    """The one place the loaded model is made ready for serving: the CPU routes for one-row decode steps, the
+    same ones ``seqlab chat`` takes, so a lone greedy request computes exactly as ``seqlab chat`` does."""
+    if accel:
+        accelerate(model, "decode", rows=1, dtype=None)
+    return model
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    sock = bind(args.host, args.port)  # before loading: a busy port fails fast
+    loaded = load_model(args)
+    model = prepare_model(loaded.model, accel=not args.no_accel)
+    name = args.model_name or (loaded.path.stem if loaded.path.is_file() else loaded.path.name)
+    engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue,
+                    context=min(args.context, model.config.max_seq_len), prefill_chunk=args.prefill_chunk)
+    serve(create_app(engine, loaded.tokenizer, name), engine, sock, args.host, shutdown_timeout=args.shutdown_timeout)
+    return 0

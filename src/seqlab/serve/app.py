@@ -1,0 +1,155 @@
+"""The HTTP side (Starlette, async): OpenAI routes over the engine, server-sent events for streams.
+
+Each request handler turns a validated body into prompt ids, submits a ``Request`` to the engine, and awaits the
+events the engine thread hands back through ``loop.call_soon_threadsafe``. A client that goes away cancels its
+request (the engine frees its slot at the next step); nothing a single request does can stop the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from seqlab.generate.chat import chat_prompt_ids, turn_end_ids
+from seqlab.serve import protocol
+from seqlab.serve.protocol import APIError
+from seqlab.serve.scheduler import Engine, Event, NotAcceptingError, QueueFullError, Request
+
+_POLL_S = 0.25  # how often a non-streaming handler checks whether its client is still connected
+
+
+def create_app(engine: Engine, tokenizer, model_name: str) -> Starlette:
+    created = int(time.time())
+    chat_stop_ids = turn_end_ids(tokenizer)
+    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+
+    async def health(_: HTTPRequest) -> JSONResponse:
+        return JSONResponse({"status": "ok", **engine.stats()})
+
+    async def models(_: HTTPRequest) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": model_name, "object": "model", "created": created, "owned_by": "seqlab"}]})
+
+    async def chat(http: HTTPRequest):
+        body = protocol.parse_chat(await _json(http))
+        _check_model(body.model)
+        if not getattr(tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        try:
+            ids = chat_prompt_ids(tokenizer, body.messages)
+        except ValueError as e:
+            raise protocol.bad("messages", f"the chat template cannot render them: {e}") from e
+        return await _run(http, body, ids, chat_stop_ids, chat=True, param="messages")
+
+    async def completions(http: HTTPRequest):
+        body = protocol.parse_completion(await _json(http))
+        _check_model(body.model)
+        ids = tokenizer.encode(body.prompt)
+        return await _run(http, body, ids, eos, chat=False, param="prompt")
+
+    def _check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(404, f"model {name!r} does not exist; this server serves {model_name!r}",
+                           param="model", code="model_not_found")
+
+    async def _run(http: HTTPRequest, body: protocol.GenerationRequest, ids: list[int], stop_ids: list[int],
+                   chat: bool, param: str):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        req = Request(ids, body.max_tokens or engine.context, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                      tokenizer, temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop,
+                      stop_ids=[] if body.ignore_eos else stop_ids, strip=chat)
+        try:
+            engine.submit(req)
+        except QueueFullError as e:
+            raise APIError(429, str(e), code="queue_full") from e
+        except NotAcceptingError as e:
+            raise APIError(503, str(e)) from e
+        except ValueError as e:
+            raise APIError(400, f"{param}: {e}", param=param, code="context_length_exceeded") from e
+        rid = protocol.new_id("chatcmpl" if chat else "cmpl")
+        if body.stream:
+            return StreamingResponse(_sse(req, events, rid, body, chat), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await _collect(http, req, events, rid, body, chat)
+
+    async def _collect(http, req, events, rid, body, chat) -> JSONResponse:
+        parts = []
+        try:
+            while True:
+                try:
+                    ev = await asyncio.wait_for(events.get(), _POLL_S)
+                except asyncio.TimeoutError:
+                    if await http.is_disconnected():
+                        req.cancel()
+                        return JSONResponse({}, status_code=499)
+                    continue
+                if ev.error:
+                    raise APIError(500, ev.error)
+                parts.append(ev.text)
+                if ev.finish_reason:
+                    break
+        finally:
+            req.cancel()  # a no-op once the request is done; frees the slot if this handler was cancelled
+        use = protocol.usage(len(req.prompt_ids), ev.completion_tokens)
+        text = "".join(parts)
+        if chat:
+            return JSONResponse(protocol.chat_response(rid, body.model, text, ev.finish_reason, use))
+        return JSONResponse(protocol.completion_response(rid, body.model, text, ev.finish_reason, use))
+
+    async def _sse(req, events, rid, body, chat) -> AsyncIterator[str]:
+        try:
+            if chat:
+                yield _data(protocol.chat_chunk(rid, body.model, {"role": "assistant", "content": ""}, None))
+            while True:
+                ev = await events.get()
+                if ev.error:
+                    yield _data(APIError(500, ev.error).body())
+                    break
+                if ev.text or ev.finish_reason:
+                    if chat:
+                        delta = {"content": ev.text} if ev.text else {}
+                        yield _data(protocol.chat_chunk(rid, body.model, delta, ev.finish_reason))
+                    else:
+                        yield _data(protocol.completion_response(rid, body.model, ev.text, ev.finish_reason, None))
+                if ev.finish_reason:
+                    if body.include_usage:
+                        obj = "chat.completion.chunk" if chat else "text_completion"
+                        use = protocol.usage(len(req.prompt_ids), ev.completion_tokens)
+                        yield _data(protocol.usage_chunk(rid, body.model, obj, use))
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            req.cancel()  # the client went away (or the stream ended): free the slot
+
+    async def on_api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def on_error(_: HTTPRequest, exc: Exception) -> JSONResponse:
+        return JSONResponse(APIError(500, f"{type(exc).__name__}: {exc}").body(), status_code=500)
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/chat/completions", chat, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={APIError: on_api_error, Exception: on_error})
+
+
+async def _json(http: HTTPRequest):
+    try:
+        return json.loads(await http.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}") from e
+
+
+def _data(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

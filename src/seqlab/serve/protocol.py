@@ -1,0 +1,181 @@
+"""The OpenAI wire format: request bodies validated into plain dataclasses, errors as OpenAI-style JSON.
+
+Why hand-written checks rather than a schema library's messages: a client must learn *which field* is wrong
+(``param`` in the error body, and named in the message), in the same shape OpenAI's own API answers with, so the
+official clients raise their usual ``BadRequestError`` with a readable message.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {"message", "type", "param", "code"}}`` with an HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str | None = None,
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type_ or {400: "invalid_request_error", 404: "invalid_request_error",
+                              429: "rate_limit_error", 503: "server_error"}.get(status, "server_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}", param=param)
+
+
+@dataclass
+class GenerationRequest:
+    """Fields shared by /v1/chat/completions and /v1/completions, validated."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-text (load tests)
+    messages: list[dict[str, str]] | None = None  # chat
+    prompt: str | None = None  # completions
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad(name, f"must be a number, got {value!r}")
+    if value < low or value > high or (low_open and value == low):
+        raise bad(name, f"must be in {'(' if low_open else '['}{low}, {high}], got {value!r}")
+    return float(value)
+
+
+def _int(body: dict, name: str, low: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(name, f"must be an integer, got {value!r}")
+    if value < low:
+        raise bad(name, f"must be >= {low}, got {value}")
+    return value
+
+
+def _stop(body: dict) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value) or len(value) > 4:
+        raise bad("stop", "must be a non-empty string or a list of at most 4 non-empty strings")
+    return value
+
+
+def _common(body: Any) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad("model", "is required (a model id from GET /v1/models)")
+    n = body.get("n", 1)
+    if n != 1 or isinstance(n, bool):
+        raise bad("n", f"only n=1 is supported, got {n!r}")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad("stream", f"must be true or false, got {stream!r}")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise bad("stream_options", "must be an object")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad("ignore_eos", f"must be true or false, got {ignore_eos!r}")
+    max_tokens = _int(body, "max_completion_tokens", 1)
+    max_tokens = _int(body, "max_tokens", 1) if max_tokens is None else max_tokens
+    return GenerationRequest(
+        model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), seed=_int(body, "seed", -(2**63)),
+        stop=_stop(body), stream=stream, include_usage=bool(options.get("include_usage", False)),
+        ignore_eos=ignore_eos,
+    )
+
+
+def parse_chat(body: Any) -> GenerationRequest:
+    req = _common(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("messages", "must be a non-empty list of {role, content} objects")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}]", "must be an object with role and content")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+        if isinstance(content, list):  # the content-parts form: text parts only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise bad(f"messages[{i}].content", "only text content parts are supported")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise bad(f"messages[{i}].content", "must be a string")
+        clean.append({"role": "system" if role == "developer" else role, "content": content})
+    req.messages = clean
+    return req
+
+
+def parse_completion(body: Any) -> GenerationRequest:
+    req = _common(body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise bad("prompt", "must be a non-empty string (one prompt per request)")
+    req.prompt = prompt
+    return req
+
+
+# ---------------------------------------------------------------------------------------------- responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_response(rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                         "logprobs": None}],
+            "usage": use}
+
+
+def chat_chunk(rid: str, model: str, delta: dict, finish: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+
+
+def completion_response(rid: str, model: str, text: str, finish: str | None, use: dict | None) -> dict:
+    body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]}
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
+def usage_chunk(rid: str, model: str, obj: str, use: dict) -> dict:
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [], "usage": use}

@@ -1,0 +1,195 @@
+"""The HTTP server, driven by the official ``openai`` client against a tiny random GGUF model on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import urllib.error
+import urllib.request
+import openai
+import pytest
+import torch
+
+from seqlab.cli.serve import prepare_model  # noqa: F401  (the fixture's model preparation, shared with the CLI)
+from seqlab.generate import generate
+from seqlab.generate.chat import chat_prompt_ids, reply_text, turn_end_ids
+from seqlab.io import load_gguf
+from tests.serve.conftest import MODEL_ID, running_server
+
+HELLO = [{"role": "user", "content": "the cat sat on"}]
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def post(url: str, data: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def client(url: str, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, **kw)
+
+
+def wait_idle(url: str, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        health = get_json(f"{url}/health")
+        if health["active"] == 0 and health["waiting"] == 0:
+            return health
+        time.sleep(0.05)
+    raise AssertionError(f"the server did not free its slots: {health}")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_gguf):
+    """Greedy replies computed alone by seqlab.generate, and the tokenizer."""
+    model, tok = load_gguf(tiny_gguf)
+
+    def greedy(messages, n):
+        ids = chat_prompt_ids(tok, messages)
+        new = generate(model, torch.tensor([ids]), max_new_tokens=n, eos_token_id=turn_end_ids(tok))[0, len(ids):]
+        return reply_text(tok, new.tolist(), turn_end_ids(tok)), len(ids)
+
+    return greedy, tok
+
+
+def test_models_and_health(server):
+    url, _ = server
+    assert [m.id for m in client(url).models.list().data] == [MODEL_ID]
+    health = get_json(f"{url}/health")
+    assert health["status"] == "ok" and health["slots"] == 4
+
+
+def test_chat_completion_is_the_greedy_reply(server, reference):
+    url, _ = server
+    greedy, _ = reference
+    r = client(url).chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=12, temperature=0)
+    text, n_prompt = greedy(HELLO, 12)
+    assert r.choices[0].message.content == text
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, 12)
+
+
+def test_streaming_pieces_add_up_to_the_reply(server, reference):
+    url, _ = server
+    stream = client(url).chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=12, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert "".join(pieces) == reference[0](HELLO, 12)[0]
+    assert finish == ["length"] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_completions_max_tokens_and_stop_strings(server, reference):
+    url, _ = server
+    _, tok = reference
+    c = client(url)
+    full = c.completions.create(model=MODEL_ID, prompt="the cat", max_tokens=20, temperature=0)
+    assert full.usage.completion_tokens == 20 and full.choices[0].finish_reason == "length"
+    text = full.choices[0].text
+    stop = next(text[i : i + 2] for i in range(3, len(text) - 1) if text[i : i + 2].strip()
+                and "\ufffd" not in text[i : i + 2])
+    cut = c.completions.create(model=MODEL_ID, prompt="the cat", max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[: text.find(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = c.completions.create(model=MODEL_ID, prompt="the cat", max_tokens=20, temperature=0, stop=stop,
+                                    stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == cut.choices[0].text
+
+
+def test_seeded_sampling_repeats(server):
+    url, _ = server
+    c = client(url)
+    kw = dict(model=MODEL_ID, messages=HELLO, max_tokens=16, temperature=0.9, top_p=0.95)
+    a, b = (c.chat.completions.create(seed=7, **kw).choices[0].message.content for _ in range(2))
+    assert a == b
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"temperature": "hot"}, "temperature"),
+    ({"temperature": 3.5}, "temperature"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"top_p": 0}, "top_p"),
+    ({"n": 2}, "n"),
+    ({"stop": [""]}, "stop"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "the " * 3000}]}, "messages"),
+])
+def test_bad_fields_are_400_naming_the_field(server, body, param):
+    url, _ = server
+    kw = {"model": MODEL_ID, "messages": HELLO, **body}
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).chat.completions.create(**kw)
+    assert e.value.status_code == 400 and e.value.body["param"] == param
+    assert param in e.value.body["message"]
+
+
+def test_unknown_model_is_404_and_bad_json_is_400(server):
+    url, _ = server
+    with pytest.raises(openai.NotFoundError) as e:
+        client(url).chat.completions.create(model="gpt-4", messages=HELLO)
+    assert e.value.body["code"] == "model_not_found"
+    status, body = post(f"{url}/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+
+
+def test_disconnect_cancels_the_request_and_frees_its_slot(server):
+    url, engine = server
+    wait_idle(url)
+    steps_before = engine.steps
+    stream = client(url).chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=1900,
+                                                 temperature=0.8, seed=1, stream=True)
+    next(iter(stream))
+    stream.close()  # the client goes away after the first chunk
+    wait_idle(url)
+    assert engine.steps - steps_before < 1900  # it was cut short, not run to the end
+    # a non-streaming client that times out is cancelled as well
+    with pytest.raises(openai.APITimeoutError):
+        client(url, timeout=0.5).chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=1900,
+                                                         temperature=0.8, seed=2)
+    wait_idle(url)
+    assert engine.steps - steps_before < 2 * 1900
+
+
+def test_a_full_queue_is_429(tiny_gguf):
+    with running_server(tiny_gguf, start_engine=False, max_batch=1, max_queue=2) as (url, engine):
+        results = []
+
+        def ask():
+            results.append(client(url).chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=3))
+
+        waiting = [threading.Thread(target=ask) for _ in range(2)]
+        for t in waiting:
+            t.start()
+        while len(engine.waiting) < 2:
+            time.sleep(0.01)
+        with pytest.raises(openai.RateLimitError) as e:
+            client(url).chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=3)
+        assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+        engine.start()  # the queued requests are then served
+        for t in waiting:
+            t.join(timeout=30)
+        assert [r.usage.completion_tokens for r in results] == [3, 3]
+
+
+def test_sse_wire_format(server):
+    url, _ = server
+    body = {"model": MODEL_ID, "messages": HELLO, "max_tokens": 3, "stream": True}
+    req = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.read().decode().splitlines() if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    first = json.loads(events[0][6:])
+    assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"

@@ -1,0 +1,40 @@
+"""ReplyText: streamed pieces never include text that a stop string (or stripping) later removes."""
+
+from __future__ import annotations
+
+from seqlab.serve.text import ReplyText
+
+
+class CharTokenizer:
+    """Token ids are Unicode code points; 0xFFFD stands for half of a UTF-8 character."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+def _stream(text_ids, stop=(), strip=False):
+    r = ReplyText(CharTokenizer(), list(stop), strip)
+    pieces = []
+    for t in text_ids:
+        pieces.append(r.push(t))
+        if r.stopped:
+            break
+    pieces.append(r.finish())
+    return pieces, r
+
+
+def test_a_possible_stop_prefix_is_held_back_and_the_stop_is_cut():
+    pieces, r = _stream([ord(c) for c in "ab<|x<|end|>zz"], stop=["<|end|>"])
+    assert r.stopped and "".join(pieces) == "ab<|x"
+    assert pieces[:4] == ["a", "b", "", ""]  # "<" and "<|" could start the stop string
+
+
+def test_held_back_prefix_is_released_when_it_does_not_complete():
+    pieces, r = _stream([ord(c) for c in "a<b"], stop=["<|"])
+    assert not r.stopped and pieces == ["a", "", "<b", ""]
+
+
+def test_chat_replies_are_stripped_and_split_characters_wait():
+    pieces, _ = _stream([ord(" "), ord("\n"), ord("h"), 0xFFFD, ord("i"), ord(" "), ord(" ")], strip=True)
+    assert "".join(pieces) == "h\ufffdi"
+    assert pieces[:3] == ["", "", "h"] and pieces[3] == ""
