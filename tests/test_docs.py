@@ -15,6 +15,8 @@ import json
 import os
 import re
 import shlex
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -72,7 +74,18 @@ def shell_commands(lang: str, body: str) -> list[Command]:
             elif cmds and line.strip():
                 cmds[-1].output.append(line)
         return cmds
-    return [Command(line.strip()) for line in lines if line.strip().startswith(COMMAND_START)]
+    cmds, pending = [], ""
+    for line in lines:   # a command may go on over lines inside a quoted argument (curl -d '{...}')
+        if not pending and not line.strip().startswith(COMMAND_START):
+            continue
+        pending = f"{pending}\n{line}" if pending else line.strip()
+        try:
+            shlex.split(pending, comments=True)
+        except ValueError:   # an open quote: the command is not complete yet
+            continue
+        cmds.append(Command(pending))
+        pending = ""
+    return cmds
 
 
 def _bind(args: list[str], places: dict[str, str]) -> list[str]:
@@ -94,7 +107,24 @@ def _interactive(cmd: Command) -> tuple[str | None, list[str]]:
     return "\n".join(said) + "\n", [line for line in cmd.output if not line.startswith("you> ")]
 
 
-def run_page_commands(page: Path, places: dict[str, str], work: Path, env: dict[str, str]) -> int:
+def start_server(args: list[str], work: Path, env: dict[str, str]) -> subprocess.Popen:
+    """A documented ``seqlab serve``: started, and kept for the page's later commands and snippets."""
+    proc = subprocess.Popen(args, cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    for line in proc.stdout:
+        if line.startswith("listening on http://") or time.monotonic() > deadline:
+            break
+    assert proc.poll() is None, f"`{' '.join(args)}` exited {proc.returncode} before listening"
+    return proc
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, "seqlab serve did not exit 0 on SIGTERM"
+
+
+def run_page_commands(page: Path, places: dict[str, str], work: Path, env: dict[str, str],
+                      servers: list[subprocess.Popen]) -> int:
     ran = 0
     for lang, body in fenced_blocks(page):
         if lang not in SHELL_LANGS and not (lang == "" and any(
@@ -103,7 +133,12 @@ def run_page_commands(page: Path, places: dict[str, str], work: Path, env: dict[
         for cmd in shell_commands(lang or "bash", body):
             if any(re.search(p, cmd.line) for p in NOT_RUN):
                 continue
-            args = _bind(shlex.split(cmd.line, comments=True), places)
+            args = _bind(shlex.split(cmd.line.replace(":8000", f":{places['port']}").replace(
+                "--port 8000", f"--port {places['port']}"), comments=True), places)
+            if args[:2] == ["seqlab", "serve"]:
+                servers.append(start_server([sys.executable, "-m", "seqlab", *args[1:]], work, env))
+                ran += 1
+                continue
             if args[0] == "seqlab":
                 args = [sys.executable, "-m", "seqlab", *args[1:]]
             elif args[0] == "python":   # scripts are named from the repository root
@@ -111,9 +146,15 @@ def run_page_commands(page: Path, places: dict[str, str], work: Path, env: dict[
             elif args[0] == "torchrun":
                 args = [sys.executable, "-m", "torch.distributed.run", *args[1:]]
             args += _shrink(cmd.line)
+            redirect = None
+            if ">" in args:   # `cmd > file`: the shell's redirection, done here
+                i = args.index(">")
+                args, redirect = args[:i] + args[i + 2:], work / args[i + 1]
             stdin, expected = _interactive(cmd)
             start = time.perf_counter()
-            proc = subprocess.run(args, cwd=work, env=env, input=stdin, capture_output=True, text=True, timeout=600)
+            proc = subprocess.run(args, cwd=work, env=env, input=stdin or "", capture_output=True, text=True, timeout=600)
+            if redirect is not None:
+                redirect.write_text(proc.stdout)
             where = f"{page.name}: `{cmd.line}`"
             print(f"{time.perf_counter() - start:6.1f} s  {where}")
             assert proc.returncode == 0, f"{where} exited {proc.returncode}\n{proc.stderr[-3000:]}"
@@ -142,6 +183,12 @@ tok = build_tokenizer("byte")
 '''
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _package_dir(name: str) -> Path:
     spec = importlib.util.find_spec(name)
     assert spec is not None and spec.submodule_search_locations, f"{name} is not installed: pip install -e '.[dev]'"
@@ -157,6 +204,7 @@ def places(tmp_path_factory) -> dict[str, str]:
     (root / "corpus.txt").write_text(text)
     (root / "sentences.txt").write_text("A man is eating food.\nThe girl is carrying a baby.\n")
     (root / "prompts.txt").write_text("To be\nROMEO:\n")
+    (root / "water.xyz").write_text("3\nwater, Angstrom\nO 0.0 0.0 0.1173\nH 0.0 0.7572 -0.4692\nH 0.0 -0.7572 -0.4692\n")
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": f"doc {i}: {text[:90]}"}) + "\n" for i in range(40)))
     (root / "pairs.jsonl").write_text("".join(f'{{"source": "{i} Mar 2021", "target": "2021-03-{i:02d}"}}\n'
                                               for i in range(1, 29)))
@@ -176,9 +224,9 @@ def places(tmp_path_factory) -> dict[str, str]:
         "path/to/hf-folder": str(minilm_dir),
         "path/to/folder": str(minilm_dir),
         "SmolLM2-135M-Instruct.Q4_1.gguf": str(smollm2_gguf_path),
-        "DIR": str(ckpt), "SMALL_DIR": str(ckpt),
+        "DIR": str(ckpt), "SMALL_DIR": str(ckpt), "runs/demo/checkpoints/step_00000200": str(ckpt),
         **{name: str(root / name) for name in ("my_book.txt", "corpus.txt", "sentences.txt", "prompts.txt",
-                                               "docs.jsonl", "pairs.jsonl", "chats.jsonl", "prefs.jsonl")},
+                                               "docs.jsonl", "pairs.jsonl", "chats.jsonl", "prefs.jsonl", "water.xyz")},
     }
 
 
@@ -186,12 +234,18 @@ def places(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
 def test_page_runs_as_shown(page: Path, places: dict[str, str], tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    run_page_commands(page, places, tmp_path, env)
-    script = python_script(page)
-    if script:
-        for placeholder, real in places.items():
-            script = script.replace(f'"{placeholder}"', repr(real))
-        code = PRELUDE.format(gguf=places["path/to/model.gguf"]) + "\n" + script
-        proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, f"{page.name}: a python snippet failed\n{proc.stderr[-3000:]}"
+    places = {**places, "port": str(_free_port())}   # pages run in parallel: each server gets its own port
+    servers: list[subprocess.Popen] = []
+    try:
+        run_page_commands(page, places, tmp_path, env, servers)
+        script = python_script(page).replace(":8000", f":{places['port']}")
+        if script:
+            for placeholder, real in places.items():
+                script = script.replace(f'"{placeholder}"', repr(real))
+            code = PRELUDE.format(gguf=places["path/to/model.gguf"]) + "\n" + script
+            proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
+                                  text=True, timeout=600)
+            assert proc.returncode == 0, f"{page.name}: a python snippet failed\n{proc.stderr[-3000:]}"
+    finally:
+        for server in servers:
+            stop_server(server)

@@ -15,6 +15,7 @@ from torch import nn
 
 from seqlab.accel import accelerate
 from seqlab.cli.model_args import add_model_source, load_model
+from seqlab.cli.packaged import SMOLLM2_PACKAGE, missing_package, packaged_smollm2
 from seqlab.serve.app import create_app
 from seqlab.serve.scheduler import Engine
 from seqlab.serve.server import bind, serve
@@ -27,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "the running decode batch at every step; at start-up one line `listening on http://HOST:PORT` "
                     "is printed. SIGTERM stops admitting, lets running replies finish (--shutdown-timeout) and "
                     "exits 0.")
-    add_model_source(p)
+    add_model_source(p, required=False)  # none given: the packaged SmolLM2-135M-Instruct, as `seqlab chat`
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on the listening line)")
     p.add_argument("--max-batch", type=int, default=16, help="KV slots: requests decoded together (default 16)")
@@ -66,8 +67,10 @@ def prepare_model(model: nn.Module, accel: bool = True) -> nn.Module:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
+    if not (args.checkpoint or args.gguf or args.model) and packaged_smollm2() is None:
+        raise missing_package(SMOLLM2_PACKAGE, "--gguf")
     sock = bind(args.host, args.port)  # before loading: a busy port fails fast
-    loaded = load_model(args)
+    loaded = load_model(args, default_gguf=packaged_smollm2())
     model = prepare_model(loaded.model, accel=not args.no_accel)
     name = args.model_name or (loaded.path.stem if loaded.path.is_file() else loaded.path.name)
     engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue,
