@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     ap.add_argument("--ttft-len", type=int, default=512)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-rss", action="store_true")
+    ap.add_argument("--rss-impls", default=None, help="comma list (default: every column)")
     ap.add_argument("--rss-worker", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="bench/results/quant_speed.json")
     args = ap.parse_args(argv)
@@ -159,7 +160,7 @@ def main(argv=None) -> int:
     print("llama-cpp-python:", out["llama_cpp"]["status"], flush=True)
     if not args.no_rss:
         out["peak_rss_mib"] = {}
-        for impl in impls:
+        for impl in (args.rss_impls.split(",") if args.rss_impls else impls):
             res = subprocess.run([sys.executable, __file__, "--rss-worker", impl, "--ttft-len", str(args.ttft_len)],
                                  capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
             mib = json.loads(res.stdout.strip().splitlines()[-1])["peak_rss_mib"] if res.returncode == 0 else None
