@@ -13,7 +13,8 @@ import sys
 import seqlab
 
 # subcommand modules, in the order --help lists them; a module that is missing is skipped
-_MODULES = ("train", "generate", "chat", "embed", "serve", "nnqs", "export", "info")
+_MODULES = ("train", "generate", "chat", "embed", "serve", "nnqs", "export", "quantize", "perplexity",
+            "info")
 
 
 def build_parser() -> argparse.ArgumentParser:

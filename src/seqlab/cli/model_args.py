@@ -21,8 +21,10 @@ from torch import nn
 
 from seqlab.data import Tokenizer, load_tokenizer
 from seqlab.io import load_gguf, load_hf, load_pretrained, resolve_checkpoint
+from seqlab.quant import quantize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+QUANT_CHOICES = ("int8", "int4", "gguf")
 _DTYPE_ALIASES = {"float32": "fp32", "fp32": "fp32", "bfloat16": "bf16", "bf16": "bf16"}
 
 
@@ -42,6 +44,9 @@ def add_model_source(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="compute dtype: fp32 (default), bf16 (float32/bfloat16 are accepted too), or auto: bf16 where "
                         "this CPU has it natively and it measures faster (see docs/acceleration.md)")
     p.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda[:N]")
+    p.add_argument("--quant", choices=QUANT_CHOICES, default=None,
+                   help="weight-only quantised inference: int8 (per channel), int4 (groups of 64), or gguf "
+                        "(a GGUF file's Q4/Q8 blocks kept as they are; see docs/quantization.md)")
 
 
 @dataclass
@@ -89,7 +94,7 @@ def load_model(args: argparse.Namespace, default_gguf: Path | None = None) -> Lo
     dtype = DTYPES.get(args.dtype, torch.float32)  # auto: load fp32, the accelerator picks the compute dtype
     if args.checkpoint:
         folder = resolve_checkpoint(args.checkpoint)
-        model = load_pretrained(folder, dtype=dtype, device=device)
+        model = apply_quant(load_pretrained(folder, dtype=dtype, device=device), args.quant, f"--checkpoint {folder}")
         tok_path = folder / "tokenizer.json"
         if not tok_path.is_file():
             raise FileNotFoundError(f"{tok_path}: no tokenizer next to the checkpoint; text prompts need one")
@@ -97,12 +102,12 @@ def load_model(args: argparse.Namespace, default_gguf: Path | None = None) -> Lo
         return LoadedModel(model, load_tokenizer(tok_path), folder, kind)
     if args.model:
         folder = Path(args.model)
-        model = load_hf(folder, dtype=dtype, device=device)
+        model = apply_quant(load_hf(folder, dtype=dtype, device=device), args.quant, f"--model {folder}")
         return LoadedModel(model, Tokenizer.from_pretrained(folder), folder, "hf")
     path = Path(args.gguf) if args.gguf else default_gguf
     if path is None:
         raise ValueError("no model given: pass --checkpoint DIR, --gguf PATH or --model HFDIR")
-    model, tokenizer = load_gguf(path, dtype=dtype, device=device)
+    model, tokenizer = load_gguf(path, dtype=dtype, device=device, quant=args.quant)
     return LoadedModel(model, tokenizer, path, "gguf")
 
 
@@ -113,3 +118,12 @@ def prompt_ids(loaded: LoadedModel, text: str, bos: bool = True) -> list[int]:
     if loaded.kind == "seqlab":
         return ([tok.bos_id] if bos and tok.bos_id is not None else []) + tok.encode(text)
     return tok.encode(text, add_special_tokens=bos)
+
+
+def apply_quant(model: nn.Module, quant: str | None, source: str) -> nn.Module:
+    """Quantise a loaded dense model for ``--quant`` (``gguf`` keeps a GGUF file's blocks, so it applies at load)."""
+    if quant is None or model.config.extra.get("quant"):
+        return model
+    if quant == "gguf":
+        raise ValueError(f"--quant gguf keeps a GGUF file's blocks; {source} is not a GGUF file (use int8 or int4)")
+    return quantize(model, bits=int(quant[3:]))

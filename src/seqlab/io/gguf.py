@@ -10,9 +10,8 @@ How it works, and why this way:
    or mmap crash halfway through.
 2. Metadata (``llama.block_count`` ...) becomes a Hugging Face style Llama ``config.json`` dict and tensor names
    (``blk.3.attn_q.weight``) become HF names (``model.layers.3.self_attn.q_proj.weight``). The lead's HF importer
-   (:func:`seqlab.io.hf.convert_hf_state_dict`) then maps those onto seqlab, so the Llama mapping lives in one
-   place and a GGUF model is exactly "an HF Llama whose weights came from somewhere else".
-3. Quantised blocks (Q4_1, Q8_0, ...) are dequantised with ``gguf.quants.dequantize`` to float32, then cast.
+   (:func:`seqlab.io.hf.convert_hf_state_dict`) maps those onto seqlab: the Llama mapping lives in one place.
+3. Quantised blocks (Q4_1, Q8_0, ...) are dequantised to float32, then cast, unless ``quant="gguf"`` keeps them.
 4. llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` so that its interleaved-pair ("NORM")
    rotary kernel gives the same result as HF's rotate-half rotary. We undo that permutation, which puts the
    weights back in the rotate-half convention that seqlab's ``Rotary`` (like HF Llama) uses.
@@ -40,6 +39,8 @@ from seqlab.io.tensors import load_state_into
 from seqlab.io.tokenizer import tokenizer_from_gguf
 from seqlab.model import build_model
 from seqlab.runtime import progress
+from seqlab.quant import quantize
+from seqlab.quant.gguf_map import build_with_layers, map_gguf_layers, placeholder
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_ARCHITECTURES = ("llama",)
@@ -333,13 +334,18 @@ def reverse_rope_permutation(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_to_hf_state_dict(f: GGUFFile, hf_config: dict[str, Any], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """Every tensor dequantised to ``dtype`` under its HF Llama name, Q/K rows back in rotate-half order."""
+def gguf_to_hf_state_dict(f: GGUFFile, hf_config: dict[str, Any], dtype: torch.dtype = torch.float32,
+                          placeholders: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """Every tensor dequantised to ``dtype`` under its HF Llama name, Q/K rows back in rotate-half order
+    (``placeholders``, kept quantised by the caller, become shape-only ``meta`` tensors)."""
     unknown = sorted(n for n in f.tensors if _hf_name(n) is None)
     if unknown:
         raise GGUFError(f"{f.path}: unknown tensors for a Llama GGUF: {unknown[:10]}{' ...' if len(unknown) > 10 else ''}")
     out: dict[str, torch.Tensor] = {}
     for name in progress(f.tensors, desc=f"loading {f.path.name}", unit="tensor", leave=False, delay=2.0):
+        if name in placeholders:
+            out[_hf_name(name)] = placeholder(f, name)
+            continue
         values = f.dequantize(name)
         if not np.isfinite(values).all():  # corrupted data: refuse here, where the GGUF tensor name is known
             raise GGUFError(f"{f.path}: tensor {name!r} has {int((~np.isfinite(values)).sum())} non-finite values "
@@ -354,29 +360,37 @@ def gguf_to_hf_state_dict(f: GGUFFile, hf_config: dict[str, Any], dtype: torch.d
 
 # ------------------------------------------------------------------------------------------------ loading
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-              with_tokenizer: bool = True):
+              with_tokenizer: bool = True, quant: str | None = None):
     """Load a Llama GGUF as ``(model, tokenizer)``: a seqlab decoder in eval mode and a :class:`seqlab.data.tokenizer.Tokenizer`.
 
     ``model.config.extra`` records the source file and the GGUF tensor types; the tokenizer carries the special
     ids and the chat template from the file. ``with_tokenizer=False`` returns ``(model, None)``.
+    ``quant``: "gguf" keeps Q4_0/Q4_1/Q8_0 blocks quantised, "int8"/"int4" (g64) re-quantise, None is dense.
     """
     f = read_gguf(path)
     hf_config = gguf_hf_config(f)
     tokenizer = None
     if with_tokenizer:
         tokenizer = tokenizer_from_gguf(f.metadata, source=str(f.path))
-    tensors = gguf_to_hf_state_dict(f, hf_config, dtype=dtype)
+    if quant not in (None, "gguf", "int8", "int4"):
+        raise GGUFError(f"quant={quant!r} is not one of gguf, int8, int4 (or None for dense)")
+    layers, used = map_gguf_layers(f, hf_config, reverse_rope_permutation) if quant == "gguf" else ({}, set())
+    tensors = gguf_to_hf_state_dict(f, hf_config, dtype=dtype, placeholders=used)
     cfg, state = convert_hf_state_dict(hf_config, tensors)
     del tensors
     types = sorted({t.qtype.name for t in f.tensors.values()})
     cfg.extra = {**cfg.extra, "source": f"gguf:{f.architecture}", "file": str(f.path), "gguf_tensor_types": types,
                  "name": f.metadata.get("general.name")}
     _check_model_config(cfg, f)
+    if quant == "gguf":
+        return build_with_layers(cfg, state, layers, str(f.path)).to(device=device), tokenizer
     with torch.device("cpu"):
         model = build_model(cfg)
     model.to(dtype)
     load_state_into(model, state, str(f.path))
     model = model.to(device=device).eval()
+    if quant in ("int8", "int4"):
+        model = quantize(model, bits=int(quant[3:]))
     return model, tokenizer
 
 

@@ -1,0 +1,56 @@
+"""``seqlab quantize``: write an int8 / int4 copy of a model (safetensors + config) that every command can load.
+
+The ``--quant`` switch of the commands that run a model is defined with the other model flags, in
+:mod:`seqlab.cli.model_args`.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from seqlab.io import load_gguf, load_pretrained
+from seqlab.quant import quantize
+from seqlab.quant.checkpoint import save_quantized
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quantize", help="write an int8/int4 weight-only copy of a model",
+                       description="Quantise every linear layer (LM head at int8 per channel) and write config.json "
+                                   "+ model.safetensors (+ tokenizer.json) to --out; load it with --checkpoint.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--gguf", metavar="PATH", help="GGUF file (dequantised, then re-quantised)")
+    src.add_argument("--checkpoint", metavar="DIR", help="seqlab or Hugging Face model folder")
+    p.add_argument("--bits", type=int, required=True, help="8 or 4")
+    p.add_argument("--group-size", type=int, default=None,
+                   help="int4: 32, 64 (default) or 128; int8: 0 = per channel (default), 32, 64 or 128")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.bits not in (4, 8):
+        raise ValueError(f"--bits {args.bits}: unsupported bit width (supported: 8, 4)")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: exists and is not a folder")
+    if args.gguf:
+        model, tokenizer = load_gguf(args.gguf)
+    else:
+        model, tokenizer = load_pretrained(args.checkpoint), None
+        if model.config.extra.get("quant"):
+            raise ValueError(f"--checkpoint {args.checkpoint}: already quantised; quantise the dense model")
+    model = quantize(model, bits=args.bits, group_size=args.group_size)
+    save_quantized(model, out)
+    if tokenizer is not None:
+        tokenizer.save(out)
+    elif args.checkpoint:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (Path(args.checkpoint) / name).is_file():
+                shutil.copyfile(Path(args.checkpoint) / name, out / name)
+    layout = model.config.extra["quant"]["layers"]
+    print(f"wrote {out}: {len(layout)} layers at int{args.bits}, group size "
+          f"{args.group_size if args.group_size is not None else ('64' if args.bits == 4 else 'per channel')}",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,77 @@
+"""Perplexity and bits per byte of a whole text, scored in a sliding window of the model's context.
+
+Why a sliding window: a text longer than the context cannot be scored in one pass, and cutting it into disjoint
+chunks scores each chunk's first tokens with no context at all, which inflates perplexity. Here every token is
+scored once, predicted from at least ``window - stride`` tokens of context (all it has, near the start). With a
+BOS token every text token is scored; without one, the first token has no prediction and is left out of both
+the token and byte counts. Bytes come from the tokenizer's per-token byte lengths (see :mod:`seqlab.eval.metrics`).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from seqlab.data.tokenizers import as_tokenizer
+from seqlab.eval.metrics import bits_per_byte, perplexity
+
+_HEAD_ROWS = 256  # positions sent through the LM head at a time (a 49k-token head makes big logit blocks)
+
+
+@dataclass
+class TextScore:
+    perplexity: float
+    bits_per_byte: float
+    tokens: int
+    bytes: int
+    nll: float
+    window: int
+    stride: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@torch.no_grad()
+def sliding_window_nll(model: torch.nn.Module, ids: list[int], window: int, stride: int) -> tuple[float, list[int]]:
+    """Summed NLL (nats) of ``ids[1:]`` given their prefixes, and the positions scored (each exactly once)."""
+    if not 0 < stride <= window:
+        raise ValueError(f"stride {stride} must be in 1..window ({window})")
+    total, scored, done = 0.0, [], 1  # position 0 has no prediction
+    begin = 0
+    while done < len(ids):
+        end = min(begin + window, len(ids))
+        x = torch.tensor([ids[begin:end]])
+        hidden = model.body(x)[0]  # [T, d]
+        first = done - begin  # first position of this window not scored before (its target index)
+        for i in range(first, end - begin, _HEAD_ROWS):
+            j = min(end - begin, i + _HEAD_ROWS)
+            logits = model.head(hidden[i - 1 : j - 1]).float()
+            total += float(F.cross_entropy(logits, x[0, i:j], reduction="sum"))
+        scored.extend(range(begin + first, end))
+        done = end
+        if end == len(ids):
+            break
+        begin += stride  # the next window ends `stride` tokens later; its first window - stride are context
+    return total, scored
+
+
+def score_text(model: torch.nn.Module, tokenizer: Any, text: str, window: int | None = None,
+               stride: int | None = None) -> TextScore:
+    """Perplexity and bits per byte of ``text`` under ``model`` (eval mode, no grad)."""
+    tok = as_tokenizer(tokenizer)
+    window = int(window or model.config.max_seq_len)
+    window = min(window, model.config.max_seq_len)
+    stride = int(stride or max(1, window // 2))
+    bos = getattr(tok, "bos_id", None)
+    ids = ([bos] if bos is not None else []) + tok.encode(text)
+    if len(ids) < 2:
+        raise ValueError("the text is too short to score (fewer than two tokens)")
+    model.eval()
+    nll, scored = sliding_window_nll(model, ids, window, stride)
+    lengths = tok.byte_lengths()
+    n_bytes = sum(lengths[ids[p]] for p in scored)
+    return TextScore(perplexity(nll, len(scored)), bits_per_byte(nll, n_bytes), len(scored), n_bytes, nll,
+                     window, stride)

@@ -1,0 +1,138 @@
+"""Turn a seqlab model's linear layers into quantised ones, from outside (the model file stays plain).
+
+``quantize(model, bits=4, group_size=64)`` replaces every ``nn.Linear`` of a plain model (quantise before
+:func:`seqlab.accel.accelerate`) by a :class:`QuantLinear`; the LM head gets ``lm_head_bits`` (int8 per channel by
+default: the head's errors reach every logit directly). A token table tied to the head becomes a
+:class:`QuantEmbedding` reading the head's rows, so the tie survives and the table is stored once, quantised.
+The layout (which layer got which scheme) is recorded in ``model.config.extra["quant"]`` so a saved model can be
+rebuilt with :func:`apply_layout` before its tensors are loaded.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from seqlab.model.layers import Rotary
+from seqlab.quant.linear import QuantEmbedding, QuantLinear
+from seqlab.quant.schemes import Scheme
+
+_LINEARS = (nn.Linear,)
+LM_HEAD = "lm_head.proj"
+
+
+def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, child = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _tied_embeddings(model: nn.Module, weight) -> list[str]:
+    return [name for name, m in model.named_modules(remove_duplicate=False)
+            if isinstance(m, nn.Embedding) and m.weight is weight]
+
+
+def default_group_size(bits: int) -> int:
+    return 64 if bits == 4 else 0
+
+
+def quantize(model: nn.Module, bits: int = 8, group_size: int | None = None, lm_head_bits: int = 8,
+             lm_head_group_size: int = 0) -> nn.Module:
+    """Quantise every linear layer of ``model`` in place (weight-only) and return it, in eval mode.
+
+    ``group_size``: int4 32/64/128 (default 64); int8 0 (per output channel, default) or 32/64/128.
+    A layer the scheme cannot take (group size not dividing ``in_features``) raises ValueError naming it,
+    before anything is changed.
+    """
+    if bits not in (4, 8):
+        raise ValueError(f"unsupported bit width {bits} (supported: 8, 4)")
+    scheme = Scheme(bits, default_group_size(bits) if group_size is None else int(group_size))
+    if getattr(model, "accel_plan", None) is not None:
+        raise ValueError("quantize a plain model: this one carries CPU routes (seqlab.accel.restore_plain first)")
+    head_scheme = Scheme(min(lm_head_bits, 8) if bits == 8 else lm_head_bits, lm_head_group_size)
+    targets = [(name, m) for name, m in model.named_modules() if type(m) in _LINEARS]
+    plan = {name: (head_scheme if name == LM_HEAD else scheme) for name, _ in targets}
+    for name, m in targets:  # validate all before changing anything
+        plan[name].check(m.in_features, name)
+    tied: dict[str, list[str]] = {}
+    layout = {}
+    for name, m in targets:
+        weight = m.weight.detach()
+        embeds = _tied_embeddings(model, m.weight)
+        bias = None if m.bias is None else m.bias.detach()
+        q = QuantLinear.from_weight(weight, plan[name], bias, name)
+        _set(model, name, q)
+        for e in embeds:
+            _set(model, e, QuantEmbedding(q))
+        if embeds:
+            tied[name] = embeds
+        layout[name] = {"bits": q.bits, "group_size": q.group_size, "bias": bias is not None}
+    record_layout(model, layout, tied)
+    return model.eval()
+
+
+def record_layout(model: nn.Module, layers: dict[str, dict], tied: dict[str, list[str]]) -> None:
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "extra"):
+        cfg.extra = {**cfg.extra, "quant": {"layers": layers, "tied_embeddings": tied}}
+
+
+def apply_layout(model: nn.Module, layout: dict) -> nn.Module:
+    """Give a freshly built model the quantised structure in ``layout`` (empty buffers, to be loaded)."""
+    try:
+        layers, tied = layout["layers"], layout.get("tied_embeddings", {})
+        for name, spec in layers.items():
+            m = model.get_submodule(name)
+            q = QuantLinear(m.in_features, m.out_features, Scheme(int(spec["bits"]), int(spec["group_size"])),
+                            bool(spec["bias"]), name)
+            _set(model, name, q)
+            for e in tied.get(name, []):
+                _set(model, e, QuantEmbedding(q))
+    except (KeyError, AttributeError, TypeError) as e:
+        raise ValueError(f"quantisation layout does not fit the model: {e}") from e
+    record_layout(model, layers, tied)
+    return model
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(isinstance(m, QuantLinear) for m in model.modules())
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes of every tensor the model holds (quantised buffers, fp parameters, tied storage counted once)."""
+    seen, total = set(), 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def materialize(model: nn.Module) -> nn.Module:
+    """Allocate (uninitialised, on CPU) whatever of a ``meta``-built model is still ``meta``, except quantised
+    layers, and recompute the tables that are not in any state dict (rotary cos/sin)."""
+    shared: dict[int, list[tuple[nn.Module, str]]] = {}
+    for m in model.modules():
+        for name, p in m.named_parameters(recurse=False):
+            shared.setdefault(id(p), []).append((m, name))
+    for m in model.modules():
+        if not isinstance(m, QuantLinear) and any(t.is_meta for t in [*m.parameters(False), *m.buffers(False)]):
+            m.to_empty(device="cpu", recurse=False)
+        if isinstance(m, Rotary):
+            m.cos, m.sin = m._table(m.cos.shape[0])
+    for owners in shared.values():  # to_empty per module gives each alias its own tensor: tie them again
+        first = getattr(*owners[0])
+        for m, name in owners[1:]:
+            setattr(m, name, first)
+    return model
+
+
+def tied_aliases(model: nn.Module) -> set[str]:
+    """State-dict names that repeat another parameter (a tied head): a file holds only one of them."""
+    seen, aliases = set(), set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        (aliases if id(p) in seen else seen).add(name if id(p) in seen else id(p))
+    return aliases
+
+
+def build_meta(build, cfg) -> nn.Module:
+    with torch.device("meta"):
+        return build(cfg)

@@ -1,0 +1,40 @@
+"""The CLI round trip: quantize a GGUF model, load the folder, generate from it, and score a text."""
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.nn.functional as F
+
+from seqlab.io import load_gguf, load_pretrained
+from seqlab.quant import QuantLinear
+from tests.cli.test_bad_inputs import run_seqlab
+from tests.real_models.tiny_gguf import write_tiny_llama
+
+
+def test_quantize_load_generate_perplexity(tmp_path):
+    write_tiny_llama(tmp_path / "tiny.gguf")
+    proc = run_seqlab(["quantize", "--gguf", "tiny.gguf", "--bits", "4", "--group-size", "32", "--out", "q4"],
+                      cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    model = load_pretrained(tmp_path / "q4")
+    assert isinstance(model.stack.blocks[0].mlp.down, QuantLinear) and model.stack.blocks[0].mlp.down.bits == 4
+    dense, tok = load_gguf(tmp_path / "tiny.gguf")
+    ids = torch.tensor([tok.encode("the other")])
+    with torch.no_grad():
+        a, b = dense(ids), model(ids)
+    cos = F.cosine_similarity(a.flatten(), b.flatten(), dim=0)
+    assert float(cos) > 0.95  # int4 of the same weights, not another model
+
+    proc = run_seqlab(["generate", "--checkpoint", "q4", "--prompt", "the", "--max-new-tokens", "4",
+                       "--temperature", "0", "--json", "g.json"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((tmp_path / "g.json").read_text())
+
+    (tmp_path / "t.txt").write_text("the other then the end, in the hall\n" * 3)
+    proc = run_seqlab(["perplexity", "--checkpoint", "q4", "--file", "t.txt", "--window", "16", "--json", "p.json"],
+                      cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((tmp_path / "p.json").read_text())
+    assert {"perplexity", "bits_per_byte", "tokens", "bytes", "quant"} <= set(result)
+    assert result["quant"] == "int4" and result["bytes"] == len((tmp_path / "t.txt").read_bytes())

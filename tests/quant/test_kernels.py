@@ -1,0 +1,83 @@
+"""Every product route equals ``F.linear`` on the dequantised weight to fp32 rounding, at decode and prefill sizes."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from seqlab.quant import QuantLinear, Scheme, kernels, routes
+
+SCHEMES = [Scheme(4, 32), Scheme(4, 64), Scheme(4, 128), Scheme(8, 0), Scheme(8, 32)]
+
+
+def _layer(scheme, n=72, k=256, bias=True):
+    torch.manual_seed(2)
+    return QuantLinear.from_weight(torch.randn(n, k) * 0.05, scheme, torch.randn(n) if bias else None)
+
+
+def _close(y, ref, k):
+    # fp32 sums of k products in another order: a few ulps of the magnitude of the terms, times sqrt(k)
+    scale = ref.abs().max().clamp_min(1e-3)
+    assert float((y - ref).abs().max()) <= 1e-6 * k ** 0.5 * 8 * float(scale)
+
+
+def test_kernel_library_builds_here():
+    """This machine has gcc and AVX2: the kernels must build (elsewhere the fallback test covers the other path)."""
+    assert kernels.load_kernels() is not None
+
+
+@pytest.mark.parametrize("route", sorted(routes.ROUTES))
+@pytest.mark.parametrize("scheme", SCHEMES, ids=lambda s: f"int{s.bits}-g{s.group_size}")
+@pytest.mark.parametrize("rows", [1, 3, 8, 37])
+def test_route_equals_dequantised_matmul(route, scheme, rows):
+    layer = _layer(scheme)
+    x = torch.randn(rows, layer.in_features)
+    ref = F.linear(x, layer.dequantize(), layer.bias)
+    _close(routes.ROUTES[route](layer, x), ref, layer.in_features)
+
+
+def test_forward_uses_chosen_route_and_any_batch_shape():
+    layer = _layer(Scheme(4, 64), n=3000)  # more rows than one dequantisation block
+    routes.clear_routes()
+    x = torch.randn(2, 5, layer.in_features)
+    with torch.no_grad():
+        y = layer(x)
+    ref = F.linear(x, layer.dequantize(), layer.bias)
+    _close(y, ref, layer.in_features)
+    table = routes.route_table()
+    assert table and all(r["route"] in routes.ROUTES and "fp32" in r["seconds"] for r in table)
+
+
+def test_pinned_route_is_used():
+    layer = _layer(Scheme(8, 0))
+    key = routes.key_for(layer, 1)
+    routes.set_route(key, "dequant")
+    assert routes.choose_route(layer, 1) == "dequant"
+    with pytest.raises(ValueError, match="unknown quantised route"):
+        routes.set_route(key, "nope")
+    routes.clear_routes()
+
+
+def test_failed_build_falls_back_to_torch_routes(monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("SEQLAB_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_STATE", {})
+    routes.clear_routes()
+    layer = _layer(Scheme(4, 32))
+    x = torch.randn(2, layer.in_features)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            y = layer(x)
+    assert kernels.load_kernels() is None
+    assert any("int kernels unavailable" in str(w.message) for w in caught)
+    _close(y, F.linear(x, layer.dequantize(), layer.bias), layer.in_features)
+    routes.clear_routes()
+
+
+def test_gradients_are_refused():
+    layer = _layer(Scheme(8, 0))
+    with pytest.raises(RuntimeError, match="inference"):
+        layer(torch.randn(1, layer.in_features, requires_grad=True))
