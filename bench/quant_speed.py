@@ -94,9 +94,9 @@ def rss_worker(impl: str, path: Path, ttft_len: int) -> None:
 
 def _tokenizer(path: Path):
     from seqlab.io.gguf import read_gguf
-    from seqlab.io.tokenizer import Tokenizer
+    from seqlab.io.tokenizer import tokenizer_from_gguf
 
-    return Tokenizer.from_gguf_metadata(read_gguf(path).metadata)
+    return tokenizer_from_gguf(read_gguf(path).metadata)
 
 
 def main(argv=None) -> int:

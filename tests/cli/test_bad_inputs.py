@@ -116,11 +116,11 @@ INFO_CASES: list[Case] = [
 ]
 
 EXPORT_CASES: list[Case] = [
-    Case("export-missing-source", ["export", "{tmp}/nope", "--format", "hf", "--out", "{tmp}/o"], "nope: no such directory"),
-    Case("export-run-without-checkpoint", ["export", "{tmp}/empty", "--format", "hf", "--out", "{tmp}/o"], "no complete checkpoint", files={"empty/checkpoints/readme.txt": "x"}),
-    Case("export-not-a-model-folder", ["export", "{tmp}/notes", "--format", "hf", "--out", "{tmp}/o"], "notes/config.json: missing", files={"notes/readme.txt": "x"}),
-    Case("export-corrupt-config", ["export", "{tmp}/bad", "--format", "hf", "--out", "{tmp}/o"], "config.json: not valid JSON", files={"bad/config.json": "{oops"}),
-    Case("export-checkpoint-missing-weights", ["export", "{tmp}/ck", "--format", "hf", "--out", "{tmp}/o"], "model.safetensors: missing from checkpoint", files={"ck/state.json": '{"format": "seqlab-train-checkpoint", "version": 1, "files": {"model.safetensors": "00"}}', "ck/config.json": "{}"}),
+    Case("export-missing-source", ["export", "{tmp}/nope", "--format", "hf", "--out", "{tmp}/o"], "nope: no such file or directory"),
+    Case("export-run-without-checkpoint", ["export", "{tmp}/empty", "--format", "hf", "--out", "{tmp}/o"], "no checkpoint yet", files={"empty/checkpoints/readme.txt": "x"}),
+    Case("export-not-a-model-folder", ["export", "{tmp}/notes", "--format", "hf", "--out", "{tmp}/o"], "notes: no model here", files={"notes/readme.txt": "x"}),
+    Case("export-corrupt-config", ["export", "{tmp}/bad", "--format", "hf", "--out", "{tmp}/o"], "config.json: line 1: not valid JSON", files={"bad/config.json": "{oops"}),
+    Case("export-checkpoint-missing-weights", ["export", "{tmp}/ck", "--format", "hf", "--out", "{tmp}/o"], "model.safetensors: missing from checkpoint", files={"ck/state.json": '{"format": "seqlab-train-checkpoint", "version": 1, "files": {"model.safetensors": "00"}}', "ck/config.json": '{"format": "seqlab", "config": {}}'}),
     Case("export-unknown-hf-model-type", ["export", "{tmp}/hf", "--format", "hf", "--out", "{tmp}/o"], "model_type 'mamba'", files={"hf/config.json": '{"model_type": "mamba"}'}),
     Case("export-hf-inexpressible", ["export", "{tmp}/enc", "--format", "hf", "--out", "{tmp}/o"], "ModelConfig.pos='rope'", files={"enc/config.json": '{"format": "seqlab", "config": {"arch": "encoder"}}'}),
     Case("export-gguf-not-llama", ["export", "{tmp}/g", "--format", "gguf", "--out", "{tmp}/g.gguf"], "ModelConfig.pos='learned'", files={"g/config.json": '{"format": "seqlab", "config": {"pos": "learned", "norm": "layernorm", "mlp": "gelu", "bias": true}}'}),
@@ -142,8 +142,8 @@ QUANT_CASES: list[Case] = [
 ]
 
 SERVE_CASES: list[Case] = [
-    Case("serve-missing-gguf", ["serve", "--gguf", "{tmp}/nope.gguf", "--port", "0"], "--gguf"),
-    Case("serve-missing-checkpoint", ["serve", "--checkpoint", "{tmp}/nope", "--port", "0"], "--checkpoint"),
+    Case("serve-missing-gguf", ["serve", "--gguf", "{tmp}/nope.gguf", "--port", "0"], "nope.gguf: no such file"),
+    Case("serve-missing-checkpoint", ["serve", "--checkpoint", "{tmp}/nope", "--port", "0"], "nope: no such file or directory"),
     Case("serve-not-a-gguf", ["serve", "--gguf", "{tmp}/bad.gguf", "--port", "0"], "bad.gguf", files={"bad.gguf": "not a gguf file"}),
     Case("serve-bad-port", ["serve", "--gguf", "{tmp}/bad.gguf", "--port", "70000"], "--port", files={"bad.gguf": "x"}),
     Case("serve-zero-batch", ["serve", "--gguf", "{tmp}/bad.gguf", "--max-batch", "0"], "--max-batch", files={"bad.gguf": "x"}),

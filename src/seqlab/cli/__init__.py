@@ -46,10 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:  # bad input or a bad file: one line, nothing half-done
         if getattr(args, "debug", False):
             raise
-        print(f"seqlab {args.command}: error: {e}", file=sys.stderr)
+        message = " ".join(str(e).split())  # one line, whatever the message held
+        print(f"seqlab {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     model = quantize(model, bits=args.bits, group_size=args.group_size)
     save_quantized(model, out)
     if tokenizer is not None:
-        tokenizer.save(out)
+        tokenizer.save_pretrained(out)
     elif args.checkpoint:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (Path(args.checkpoint) / name).is_file():

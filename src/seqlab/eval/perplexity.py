@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from seqlab.data.tokenizers import as_tokenizer
+from seqlab.data.tokenizer import Tokenizer
 from seqlab.eval.metrics import bits_per_byte, perplexity
 
 _HEAD_ROWS = 256  # positions sent through the LM head at a time (a 49k-token head makes big logit blocks)
@@ -58,10 +58,9 @@ def sliding_window_nll(model: torch.nn.Module, ids: list[int], window: int, stri
     return total, scored
 
 
-def score_text(model: torch.nn.Module, tokenizer: Any, text: str, window: int | None = None,
+def score_text(model: torch.nn.Module, tok: Tokenizer, text: str, window: int | None = None,
                stride: int | None = None) -> TextScore:
     """Perplexity and bits per byte of ``text`` under ``model`` (eval mode, no grad)."""
-    tok = as_tokenizer(tokenizer)
     window = int(window or model.config.max_seq_len)
     window = min(window, model.config.max_seq_len)
     stride = int(stride or max(1, window // 2))
