@@ -31,7 +31,7 @@ FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 COMMAND_START = ("seqlab ", "torchrun ", "python ", "make ", "pip ", "curl ")
 
-TRAIN_SHRINK = ["--preset", "tiny", "--max-steps", "2", "--batch-size", "2", "--seq-len", "32", "--eval-batches", "1",
+TRAIN_SHRINK = ["--preset", "tiny", "--max-steps", "2", "--batch-size", "2", "--seq-len", "128", "--eval-batches", "1",
                 "--no-progress"]
 NNQS_SHRINK = ["--steps", "3", "--samples", "2000", "--no-cc", "--quiet"]
 

@@ -17,7 +17,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from seqlab.accel.packing import PackedLinear, packing_available
+from seqlab.accel.packed_linear import PackedLinear, packing_available
 from seqlab.accel.train_linear import TrainLinear, train_route_available
 
 USES = ("decode", "prefill", "train")
