@@ -4,11 +4,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from seqlab.generate.sampling import SamplingParams, check_sampling_values
+from seqlab.generate.sampling import SamplingKnobs, SamplingParams
 
 
 @dataclass
-class GenerationConfig:
+class GenerationConfig(SamplingKnobs):
     """How to turn a prompt into new tokens.
 
     Strategy is chosen by the fields, as in Hugging Face: ``num_beams > 1`` -> beam search; a draft model passed
@@ -21,13 +21,7 @@ class GenerationConfig:
     """
 
     max_new_tokens: int = 32
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    min_tokens_to_keep: int = 1
+    do_sample: bool = False  # the sampling knobs (temperature, top_k, top_p, min_p, ...) come from SamplingKnobs
 
     num_beams: int = 1
     length_penalty: float = 1.0
@@ -50,11 +44,7 @@ class GenerationConfig:
 
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise bad("max_new_tokens", "an int >= 0")
-        check_sampling_values(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, min_tokens_to_keep=self.min_tokens_to_keep,
-            owner="GenerationConfig",
-        )
+        self.check_knobs("GenerationConfig")
         if isinstance(self.num_beams, bool) or not isinstance(self.num_beams, int) or self.num_beams < 1:
             raise bad("num_beams", "an int >= 1")
         if not isinstance(self.length_penalty, (int, float)) or not math.isfinite(self.length_penalty):
@@ -85,11 +75,7 @@ class GenerationConfig:
         return not self.do_sample or self.temperature == 0.0
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, min_tokens_to_keep=self.min_tokens_to_keep,
-            do_sample=self.do_sample,
-        )
+        return SamplingParams(**self.knobs(), do_sample=self.do_sample)
 
     def eos_ids(self, model_config=None) -> list[int]:
         eos = self.eos_token_id

@@ -25,7 +25,7 @@ Semantics worth pinning down (tests in ``tests/generate/test_sampling.py`` check
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
@@ -33,9 +33,9 @@ from torch import Tensor
 TOP_P_TOL = 1e-6  # float32 softmax + cumsum rounding; a mass within this of top_p counts as reaching it.
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """The sampling knobs, validated on construction (a bad value fails here, not deep in a decode loop)."""
+@dataclass
+class SamplingKnobs:
+    """The logits-processor knobs, declared once: :class:`SamplingParams` and ``GenerationConfig`` both carry them."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -43,13 +43,22 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens_to_keep: int = 1
+
+    def knobs(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(SamplingKnobs)}
+
+    def check_knobs(self, owner: str) -> None:
+        check_sampling_values(**self.knobs(), owner=owner)
+
+
+@dataclass
+class SamplingParams(SamplingKnobs):
+    """The sampling knobs, validated on construction (a bad value fails here, not deep in a decode loop)."""
+
     do_sample: bool = True
 
     def __post_init__(self) -> None:
-        check_sampling_values(
-            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
-            repetition_penalty=self.repetition_penalty, min_tokens_to_keep=self.min_tokens_to_keep,
-        )
+        self.check_knobs("SamplingParams")
 
     @property
     def greedy(self) -> bool:
