@@ -10,7 +10,7 @@ from torch import nn
 from seqlab.accel import PackedLinear, TrainLinear, accelerate, plan_for, restore_plain
 from seqlab.accel import apply as accel_apply
 from seqlab.accel import calibrate
-from seqlab.accel.cpu import current_signature, native_bf16
+from seqlab.runtime.cpu import current_signature, native_bf16
 from seqlab.accel.routes import DenseRoute, PackedRoute, Use
 from seqlab.cli import build_parser, main
 from seqlab.generate import generate

@@ -8,7 +8,7 @@ The model stays plain math (``nn.Linear``); :func:`restore_plain` undoes the con
 """
 
 from seqlab.accel.apply import AccelPlan, accelerate, plan_for, restore_plain
-from seqlab.accel.cpu import CpuSignature, current_signature, isa_above_avx2, native_bf16
+from seqlab.runtime.cpu import CpuSignature, current_signature, isa_above_avx2, native_bf16
 from seqlab.accel.packed_linear import PackedLinear, is_packed, pack_for_inference, packing_available
 from seqlab.accel.routes import Route, Use, builtin_routes
 from seqlab.accel.train_linear import TrainLinear

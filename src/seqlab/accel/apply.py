@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from seqlab.accel.calibrate import dtype_name, fastest, load_cache, shape_key, store_cache, time_routes
-from seqlab.accel.cpu import current_signature, native_bf16
+from seqlab.runtime.cpu import current_signature, native_bf16
 from seqlab.accel.packed_linear import PackedLinear
 from seqlab.accel.routes import USES, Route, Use, builtin_routes
 from seqlab.accel.train_linear import TrainLinear

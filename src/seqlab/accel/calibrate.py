@@ -3,7 +3,7 @@
 Why: which library or layout runs a product fastest depends on the CPU, its ISA limits, the torch build, the
 shape and the number of rows; a threshold measured on one machine is wrong on the next. So the first use of a
 shape class times the routes (interleaved rounds, best round per call, on throwaway layers of that shape) and caches
-the timings on disk, keyed by :class:`~seqlab.accel.cpu.CpuSignature`. A different CPU, ISA cap, thread count or
+the timings on disk, keyed by :class:`~seqlab.runtime.cpu.CpuSignature`. A different CPU, ISA cap, thread count or
 torch version is a different cache file, and a file whose stored signature disagrees is ignored.
 
 Cache location: ``$SEQLAB_ACCEL_CACHE`` (a folder) or ``$XDG_CACHE_HOME/seqlab`` or ``~/.cache/seqlab``; one file
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from seqlab.accel.cpu import CpuSignature
+from seqlab.runtime.cpu import CpuSignature
 from seqlab.accel.routes import Route, Use
 from seqlab.runtime import atomic_write_json
 

@@ -10,23 +10,10 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
-
-@lru_cache(maxsize=1)
-def cpu_has_fast_bf16() -> bool:
-    """True when this CPU advertises native bf16 dot products (Intel AMX-BF16 or AVX512-BF16)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool({"amx_bf16", "avx512_bf16"} & flags)
-    except OSError:
-        pass
-    return False
+from seqlab.runtime.cpu import native_bf16
 
 
 @dataclass
@@ -54,7 +41,7 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
         if device.type == "cuda":
             name = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
         elif device.type == "cpu":
-            name = "bf16" if cpu_has_fast_bf16() else "fp32"
+            name = "bf16" if native_bf16() else "fp32"  # native only: ISA caps that hide it count
         else:
             name = "fp32"
     if name == "fp16" and device.type == "cpu":
