@@ -99,12 +99,15 @@ def _shrink(line: str) -> list[str]:
     return []
 
 
+CHROME = ("you> ", "seqlab chat: ", "(")   # a chat transcript's prompts, banner and notices: not the replies
+
+
 def _interactive(cmd: Command) -> tuple[str | None, list[str]]:
-    """A chat transcript: the ``you>`` lines become stdin; the rest is the expected stdout."""
+    """A chat transcript: the ``you>`` lines become stdin; the replies are the expected output."""
     said = [line.split("you> ", 1)[1] for line in cmd.output if line.startswith("you> ")]
     if not said:
         return None, cmd.output
-    return "\n".join(said) + "\n", [line for line in cmd.output if not line.startswith("you> ")]
+    return "\n".join(said) + "\n", [line for line in cmd.output if not line.startswith(CHROME)]
 
 
 def start_server(args: list[str], work: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -160,7 +163,8 @@ def run_page_commands(page: Path, places: dict[str, str], work: Path, env: dict[
             assert proc.returncode == 0, f"{where} exited {proc.returncode}\n{proc.stderr[-3000:]}"
             if expected and "--max-new-tokens" not in " ".join(_shrink(cmd.line)):
                 shown = [line.rstrip() for line in expected if line.strip()]
-                got = [line.rstrip() for line in proc.stdout.splitlines() if line.strip()]
+                got = [line.rstrip() for line in proc.stdout.splitlines()
+                       if line.strip() and not (stdin and line.startswith(CHROME))]
                 assert got[:len(shown)] == shown, f"{where}: output differs from the page\n{proc.stdout}"
             ran += 1
     return ran
@@ -202,6 +206,7 @@ def places(tmp_path_factory) -> dict[str, str]:
     text = "To be, or not to be, that is the question.\nWhether 'tis nobler in the mind to suffer.\n" * 20
     (root / "my_book.txt").write_text(text)
     (root / "corpus.txt").write_text(text)
+    (root / "notes.txt").write_text(text)
     (root / "sentences.txt").write_text("A man is eating food.\nThe girl is carrying a baby.\n")
     (root / "prompts.txt").write_text("To be\nROMEO:\n")
     (root / "water.xyz").write_text("3\nwater, Angstrom\nO 0.0 0.0 0.1173\nH 0.0 0.7572 -0.4692\nH 0.0 -0.7572 -0.4692\n")
@@ -226,7 +231,8 @@ def places(tmp_path_factory) -> dict[str, str]:
         "SmolLM2-135M-Instruct.Q4_1.gguf": str(smollm2_gguf_path),
         "DIR": str(ckpt), "SMALL_DIR": str(ckpt), "runs/demo/checkpoints/step_00000200": str(ckpt),
         **{name: str(root / name) for name in ("my_book.txt", "corpus.txt", "sentences.txt", "prompts.txt",
-                                               "docs.jsonl", "pairs.jsonl", "chats.jsonl", "prefs.jsonl", "water.xyz")},
+                                               "docs.jsonl", "pairs.jsonl", "chats.jsonl", "prefs.jsonl", "water.xyz",
+                                               "notes.txt")},
     }
 
 

@@ -162,7 +162,7 @@ def test_model_matches_hf(smollm, hf_smollm, monkeypatch, capsys):
 
     # a copy: the CLI accelerates the model it loads in place, and the session fixture must stay a plain model
     loaded = copy.deepcopy(model)
-    monkeypatch.setattr(model_args, "load_gguf", lambda path, dtype=torch.float32, device=None: (loaded, tok))
+    monkeypatch.setattr(model_args, "load_gguf", lambda path, dtype=torch.float32, device=None, quant=None: (loaded, tok))
     assert main(["chat", "--message", CHATS[0][0]["content"], "--temperature", "0", "--max-new-tokens", "64"]) == 0
     reply = capsys.readouterr().out
     assert loaded.accel_plan.for_ == "decode"  # the CLI accelerated the model it loaded (routes by calibration)

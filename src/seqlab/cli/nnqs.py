@@ -218,8 +218,7 @@ def stopped(res: RunResult, out: Path, stop: GracefulStop, is_main: bool) -> int
     return stop.exit_code
 
 
-if __name__ == "__main__":  # python -m seqlab.cli.nnqs ... (same as `seqlab nnqs ...`)
-    parser = argparse.ArgumentParser(prog="seqlab")
-    register(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["nnqs", *sys.argv[1:]])
-    sys.exit(run(args))
+if __name__ == "__main__":  # python -m seqlab.cli.nnqs ... is `seqlab nnqs ...`, one-line errors included
+    from seqlab.cli import main
+
+    sys.exit(main(["nnqs", *sys.argv[1:]]))
