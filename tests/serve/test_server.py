@@ -147,8 +147,9 @@ def test_disconnect_cancels_the_request_and_frees_its_slot(server):
     url, engine = server
     wait_idle(url)
     steps_before = engine.steps
+    # ignore_eos: the reply must run long whatever the sampled tokens, so only the disconnect can cut it short
     stream = client(url).chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=1900,
-                                                 temperature=0.8, seed=1, stream=True)
+                                                 temperature=0.8, seed=1, stream=True, extra_body={"ignore_eos": True})
     next(iter(stream))
     stream.close()  # the client goes away after the first chunk
     wait_idle(url)
@@ -156,7 +157,7 @@ def test_disconnect_cancels_the_request_and_frees_its_slot(server):
     # a non-streaming client that times out is cancelled as well
     with pytest.raises(openai.APITimeoutError):
         client(url, timeout=0.5).chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=1900,
-                                                         temperature=0.8, seed=2)
+                                                         temperature=0.8, seed=2, extra_body={"ignore_eos": True})
     wait_idle(url)
     assert engine.steps - steps_before < 2 * 1900
 
