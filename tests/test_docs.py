@@ -177,10 +177,10 @@ def python_script(page: Path) -> str:
 PRELUDE = '''
 import torch
 from seqlab import ModelConfig, build_model
-path_to_gguf = {gguf!r}
+path_to_gguf = path = {gguf!r}
 torch.manual_seed(0)
 model = build_model(ModelConfig(vocab_size=260, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)).eval()
-input_ids = ids = torch.randint(0, 256, (2, 5))
+input_ids = ids = torch.randint(0, 100, (2, 5))   # inside every vocabulary the pages build
 mask = torch.ones_like(ids)
 from seqlab.data import build_tokenizer
 tok = build_tokenizer("byte")

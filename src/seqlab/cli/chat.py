@@ -45,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
     p.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens (0 = off)")
     p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=256, help="reply length limit in tokens (default 256)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="reply length limit in tokens (default 256, or half the model's context if that is less)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     add_decode_speed_options(p)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -55,10 +56,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 class ChatSession:
     """A conversation with a model: the message list, and a ``reply`` that generates the assistant's next turn."""
 
-    def __init__(self, model, tokenizer: Tokenizer, system: str | None = None, max_new_tokens: int = 256,
+    def __init__(self, model, tokenizer: Tokenizer, system: str | None = None, max_new_tokens: int | None = None,
                  temperature: float = 0.7, top_p: float = 0.9, top_k: int = 0, repetition_penalty: float = 1.0,
                  seed: int | None = 0, compile: bool = False):
         context = model.config.max_seq_len
+        if max_new_tokens is None:  # not asked for: a default that leaves room for the conversation in any context
+            max_new_tokens = min(256, context // 2)
         if max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         if max_new_tokens >= context:
