@@ -12,7 +12,6 @@ import openai
 import pytest
 import torch
 
-from seqlab.cli.serve import prepare_model  # noqa: F401  (the fixture's model preparation, shared with the CLI)
 from seqlab.generate import generate
 from seqlab.generate.chat import chat_prompt_ids, reply_text, turn_end_ids
 from seqlab.io import load_gguf

@@ -63,7 +63,10 @@ class Request:
         self.generator = None
         if not self.processor.greedy:
             self.generator = torch.Generator()
-            self.generator.manual_seed(int(seed)) if seed is not None else self.generator.seed()
+            if seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(int(seed))
         self.stop_ids = set(stop_ids)
         self.reply = ReplyText(tokenizer, list(stop), strip)
         self.generated: list[int] = []
