@@ -82,14 +82,19 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> Starlette:
 
     async def _collect(http, req, events, rid, body, chat) -> JSONResponse:
         parts = []
+        checked = time.monotonic()
         try:
             while True:
                 try:
                     ev = await asyncio.wait_for(events.get(), _POLL_S)
                 except asyncio.TimeoutError:
+                    ev = None
+                if time.monotonic() - checked >= _POLL_S:  # events may never pause: check by the clock
+                    checked = time.monotonic()
                     if await http.is_disconnected():
                         req.cancel()
                         return JSONResponse({}, status_code=499)
+                if ev is None:
                     continue
                 if ev.error:
                     raise APIError(500, ev.error)
