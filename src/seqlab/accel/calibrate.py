@@ -35,6 +35,8 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 # a route whose first (warm-up) call is this many times slower than the plain one is dropped without further
 # timing: emulated bf16 on a CPU without native bf16 would otherwise eat the whole budget
 _HOPELESS = 20.0
+# a route replaces the plain one only when it is at least this much (a fraction) faster
+MIN_GAIN = 0.05
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -165,9 +167,9 @@ def time_routes(use: Use, in_features: int, out_features: int, bias: bool, route
 
 
 def fastest(timings: dict[str, float], plain: str = "dense") -> str:
-    """The fastest route; the plain one unless another is strictly faster than it."""
-    best = plain if plain in timings else min(timings, key=timings.__getitem__)
-    for name, t in timings.items():
-        if t < timings[best]:
-            best = name
-    return best
+    """The fastest route; the plain one unless another beats it by more than ``MIN_GAIN`` (timing noise must not
+    swap a correct, plain product for an equally fast but different one)."""
+    if plain not in timings:
+        return min(timings, key=timings.__getitem__)
+    best = min(timings, key=timings.__getitem__)
+    return best if timings[best] < (1.0 - MIN_GAIN) * timings[plain] else plain
