@@ -166,7 +166,8 @@ def test_a_full_queue_is_429(tiny_gguf):
         results = []
 
         def ask():
-            results.append(client(url).chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=3))
+            results.append(client(url).chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=3,
+                                                               temperature=0))
 
         waiting = [threading.Thread(target=ask) for _ in range(2)]
         for t in waiting:
