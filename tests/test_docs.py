@@ -42,6 +42,8 @@ SHRINK: list[tuple[str, list[str]]] = [
     (r"^seqlab demo", ["--time", "3", "--samples", "1", "--max-new-tokens", "8", "--preset", "tiny", "--no-progress"]),
     (r"-m seqlab(\.cli)? nnqs|-m seqlab\.cli\.nnqs|^seqlab nnqs", NNQS_SHRINK),
     (r"^seqlab generate", ["--max-new-tokens", "8"]),
+    # a whole split in 8192-token windows is minutes of prefill (over 10 under the AVX2 caps): score its start
+    (r"^seqlab perplexity", ["--max-bytes", "3000"]),
     (r"^python bench/", ["--help"]),   # benchmarks run for minutes: `make bench` runs them; here they must start
 ]
 
