@@ -124,6 +124,7 @@ EXPORT_CASES: list[Case] = [
     Case("export-unknown-hf-model-type", ["export", "{tmp}/hf", "--format", "hf", "--out", "{tmp}/o"], "model_type 'mamba'", files={"hf/config.json": '{"model_type": "mamba"}'}),
     Case("export-hf-inexpressible", ["export", "{tmp}/enc", "--format", "hf", "--out", "{tmp}/o"], "ModelConfig.pos='rope'", files={"enc/config.json": '{"format": "seqlab", "config": {"arch": "encoder"}}'}),
     Case("export-gguf-not-llama", ["export", "{tmp}/g", "--format", "gguf", "--out", "{tmp}/g.gguf"], "ModelConfig.pos='learned'", files={"g/config.json": '{"format": "seqlab", "config": {"pos": "learned", "norm": "layernorm", "mlp": "gelu", "bias": true}}'}),
+    Case("export-gguf-qwen3-with-bias", ["export", "{tmp}/q", "--format", "gguf", "--out", "{tmp}/q.gguf"], "GGUF qwen3: ModelConfig.qkv_bias=True", files={"q/config.json": '{"format": "seqlab", "config": {"qk_norm": true, "qkv_bias": true}}'}),
     Case("export-gguf-out-is-folder", ["export", "{run}", "--format", "gguf", "--out", "{tmp}"], "writes one file"),
     Case("export-hf-out-is-file", ["export", "{run}", "--format", "hf", "--out", "{tmp}/taken"], "writes a folder", files={"taken": "x"}),
 ]

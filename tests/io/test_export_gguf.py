@@ -119,12 +119,25 @@ def test_byte_tokenizer_round_trips(tmp_path):
     assert gtok.decode(tok.encode(text), skip_special_tokens=False) == text
 
 
+def test_explicit_head_dim_exports_as_llama_with_key_length(tmp_path, bpe):
+    model = _model(bpe.vocab_size, attn_head_dim=24, tie_embeddings=False)
+    path = export_gguf(model, tmp_path / "m.gguf", bpe, weight_type="f32")
+    reader = gguf.GGUFReader(path)
+    assert reader.fields["general.architecture"].contents() == "llama"
+    assert reader.fields["llama.attention.key_length"].contents() == 24
+    assert reader.fields["llama.rope.dimension_count"].contents() == 24
+    loaded, _ = load_gguf(path)
+    assert loaded.config.head_dim == 24
+    mine, theirs = model.state_dict(), loaded.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
 @pytest.mark.parametrize("kw,field", [
     (dict(pos="learned", norm="layernorm", mlp="gelu", bias=True), "ModelConfig.pos='learned'"),
-    (dict(qk_norm=True), "ModelConfig.qk_norm=True"),
-    (dict(attn_head_dim=8), "ModelConfig.attn_head_dim=8"),
+    (dict(arch="encoder"), "ModelConfig.arch='encoder'"),
+    (dict(qk_norm=True, qkv_bias=True), "GGUF qwen3: ModelConfig.qkv_bias=True"),  # llama.cpp's qwen3: no biases
 ])
-def test_non_llama_configs_are_refused(tmp_path, kw, field):
+def test_inexpressible_configs_are_refused(tmp_path, kw, field):
     model = _model(50, **kw)
     with pytest.raises(ExportError, match=field):
         export_gguf(model, tmp_path / "x.gguf")

@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Write the model of RUN_OR_CHECKPOINT (a training run directory: its latest checkpoint; a "
                     "checkpoint directory; or a seqlab/HF model folder) in a format other tools load: "
                     "--format hf (config.json, model.safetensors, generation_config.json, tokenizer.json, "
-                    "tokenizer_config.json with the chat template) or --format gguf (llama architecture).")
+                    "tokenizer_config.json with the chat template) or --format gguf (llama, qwen2 or qwen3 "
+                    "architecture, as the model's shape needs).")
     p.add_argument("source", metavar="RUN_OR_CHECKPOINT", help="run directory, checkpoint directory or model folder")
     p.add_argument("--format", required=True, choices=("hf", "gguf"), help="output format")
     p.add_argument("--out", required=True, help="output folder (hf) or .gguf file (gguf)")

@@ -37,7 +37,7 @@ def add_model_source(p: argparse.ArgumentParser, required: bool = True) -> None:
     src = p.add_mutually_exclusive_group(required=required)
     src.add_argument("--checkpoint", metavar="DIR",
                      help="seqlab model folder, training checkpoint, or run directory (uses its latest checkpoint)")
-    src.add_argument("--gguf", metavar="PATH", help="GGUF file (llama architecture, byte-level BPE vocabulary)")
+    src.add_argument("--gguf", metavar="PATH", help="GGUF file (llama/qwen2/qwen3, byte-level BPE vocabulary)")
     src.add_argument("--model", metavar="HFDIR", help="Hugging Face folder (config.json, model.safetensors, "
                                                       "tokenizer.json)")
     p.add_argument("--dtype", type=_dtype_name, choices=(*DTYPES, "auto"), default="fp32",

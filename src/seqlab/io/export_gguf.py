@@ -1,9 +1,11 @@
-"""Export seqlab Llama-style decoders as GGUF (llama.cpp's format) with the ``gguf`` package's ``GGUFWriter``.
+"""Export seqlab Llama-family decoders as GGUF (llama.cpp's format) with the ``gguf`` package's ``GGUFWriter``.
 
-The inverse of :mod:`seqlab.io.gguf`: seqlab -> HF Llama names (:func:`seqlab.io.export_hf.to_hf`) -> GGUF names,
-with the Q/K rows permuted into llama.cpp's interleaved-pair rotary order. Metadata is the ``llama``
-architecture's (sizes, rope base, norm epsilon) plus the tokenizer as byte-level BPE (``tokenizer.ggml.model =
-gpt2``: tokens, types, merges, special ids, chat template).
+The inverse of :mod:`seqlab.io.gguf`: seqlab -> HF names (:func:`seqlab.io.export_hf.to_hf`) -> GGUF names
+(:mod:`seqlab.io.gguf_arch`). The architecture is the one the HF export would name (``llama``; ``qwen2`` when only
+q/k/v have biases; ``qwen3`` with q/k norms), written with that architecture's metadata (sizes, head size, rope
+base, norm epsilon) plus the tokenizer as byte-level BPE (``tokenizer.ggml.model = gpt2``: tokens, types, merges,
+special ids, chat template). Only for ``llama`` are the Q/K rows permuted into llama.cpp's interleaved-pair rotary
+order; qwen2/qwen3 keep HF's rotate-half rows, as llama.cpp's converter does.
 
 Weights: ``f32``; ``f16``; ``q8_0``, ``q4_0``, ``q4_1`` through ``gguf.quants.quantize`` (llama.cpp's own block
 formats). As llama.cpp does, 1-D tensors (norms, biases) stay f32, and a matrix whose rows do not fill whole
@@ -22,18 +24,14 @@ import numpy as np
 from torch import Tensor, nn
 
 from seqlab.io.export_hf import ExportError, llama_model_type, to_hf
+from seqlab.io.gguf_arch import ARCHITECTURES, GGUFArch, gguf_name, rope_permutation
+
+__all__ = ["WEIGHT_TYPES", "check_exportable", "export_gguf", "gguf_architecture", "gguf_name", "rope_permutation",
+           "tokenizer_metadata"]
 
 WEIGHT_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 _FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7}  # llama.cpp's LlamaFileType
 _NORMAL, _CONTROL, _UNUSED = 1, 3, 5  # llama.cpp token types
-
-_BLOCK_NAMES = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
-_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                 "lm_head.weight": "output.weight"}
 
 
 def _import_gguf():
@@ -44,29 +42,18 @@ def _import_gguf():
     return gguf
 
 
-def gguf_name(hf_name: str) -> str:
-    if hf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[hf_name]
-    _, _, layer, rest = hf_name.split(".", 3)  # model.layers.<i>.<module>.<weight|bias>
-    module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_BLOCK_NAMES[module]}.{kind}"
-
-
-def rope_permutation(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama.cpp's ``permute`` of Q/K rows (rotate-half -> interleaved pairs); undone by
-    :func:`seqlab.io.gguf.reverse_rope_permutation`."""
-    half = w.shape[0] // n_heads // 2
-    return w.reshape(n_heads, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+def gguf_architecture(cfg) -> GGUFArch:
+    """The GGUF architecture for ``cfg`` (the HF export's model_type); ExportError naming a field llama.cpp lacks."""
+    arch = ARCHITECTURES[llama_model_type(cfg, fam="GGUF (llama, qwen2, qwen3)")]
+    if arch.name == "qwen3" and (cfg.qkv_bias or cfg.bias):
+        field = "qkv_bias" if cfg.qkv_bias else "bias"
+        raise ExportError(f"cannot export as GGUF qwen3: ModelConfig.{field}=True (llama.cpp's qwen3 has no biases)")
+    return arch
 
 
 def check_exportable(cfg) -> None:
-    """GGUF's ``llama`` architecture: what the HF Llama export accepts, minus the knobs llama.cpp's llama lacks."""
-    llama_model_type(cfg, fam="GGUF llama")
-    if cfg.qk_norm:
-        raise ExportError("cannot export as GGUF llama: ModelConfig.qk_norm=True (Qwen3's q/k norms)")
-    if cfg.attn_head_dim is not None:
-        raise ExportError(f"cannot export as GGUF llama: ModelConfig.attn_head_dim={cfg.attn_head_dim} "
-                          f"(head_dim must be d_model / n_heads)")
+    """Refuse, before any weights are read, a configuration no supported GGUF architecture expresses."""
+    gguf_architecture(cfg)
 
 
 def tokenizer_metadata(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
@@ -110,7 +97,7 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike, tokenizer: Any = 
         raise ExportError(f"unknown GGUF weight type {weight_type!r}; expected one of {WEIGHT_TYPES}")
     gguf = _import_gguf()
     cfg = model.config
-    check_exportable(cfg)
+    arch = gguf_architecture(cfg)
     _, tensors = to_hf(model)
     if cfg.tie_embeddings:
         tensors.pop("lm_head.weight")  # no output.weight: llama.cpp (and seqlab's reader) tie to token_embd
@@ -119,14 +106,14 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike, tokenizer: Any = 
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
     os.close(fd)
     try:
-        writer = gguf.GGUFWriter(tmp, "llama")
-        _write_metadata(writer, cfg, tokenizer, weight_type, name)
+        writer = gguf.GGUFWriter(tmp, arch.name)
+        _write_metadata(writer, cfg, arch, tokenizer, weight_type, name)
         for hf_name, t in tensors.items():
             values = _numpy(t)
             if ".q_proj." in hf_name:
-                values = rope_permutation(values, cfg.n_heads)
+                values = arch.qk_from_hf(values, cfg.n_heads)
             elif ".k_proj." in hf_name:
-                values = rope_permutation(values, cfg.n_kv_heads)
+                values = arch.qk_from_hf(values, cfg.n_kv_heads)
             data, raw_dtype = _encode(gguf, values, weight_type)
             writer.add_tensor(gguf_name(hf_name), data, raw_dtype=raw_dtype)
         writer.write_header_to_file()
@@ -145,7 +132,7 @@ def _numpy(t: Tensor) -> np.ndarray:
     return t.detach().float().cpu().contiguous().numpy()
 
 
-def _write_metadata(writer, cfg, tokenizer, weight_type: str, name: str) -> None:
+def _write_metadata(writer, cfg, arch: GGUFArch, tokenizer, weight_type: str, name: str) -> None:
     writer.add_name(name)
     writer.add_file_type(_FILE_TYPES[weight_type])
     writer.add_vocab_size(cfg.vocab_size)
@@ -155,6 +142,9 @@ def _write_metadata(writer, cfg, tokenizer, weight_type: str, name: str) -> None
     writer.add_feed_forward_length(cfg.d_ff)
     writer.add_head_count(cfg.n_heads)
     writer.add_head_count_kv(cfg.n_kv_heads)
+    if arch.name == "qwen3" or cfg.attn_head_dim is not None:  # as llama.cpp's converter does for HF's head_dim
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
     writer.add_rope_dimension_count(cfg.head_dim)
     writer.add_rope_freq_base(cfg.rope_base)
     writer.add_layer_norm_rms_eps(cfg.norm_eps)
