@@ -16,14 +16,14 @@ from seqlab.quant.checkpoint import save_quantized
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="write an int8/int4 weight-only copy of a model",
-                       description="Quantise every linear layer (LM head at int8 per channel) and write config.json "
+                       description="Quantise every linear layer (LM head at int8, groups of 32) and write config.json "
                                    "+ model.safetensors (+ tokenizer.json) to --out; load it with --checkpoint.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--gguf", metavar="PATH", help="GGUF file (dequantised, then re-quantised)")
     src.add_argument("--checkpoint", metavar="DIR", help="seqlab or Hugging Face model folder")
     p.add_argument("--bits", type=int, required=True, help="8 or 4")
     p.add_argument("--group-size", type=int, default=None,
-                   help="int4: 32, 64 (default) or 128; int8: 0 = per channel (default), 32, 64 or 128")
+                   help="int4: 32, 64 (default) or 128; int8: 32 (default; per channel where 32 does not divide a layer), 0 = per channel, 64 or 128")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=run)
@@ -51,6 +51,6 @@ def run(args: argparse.Namespace) -> int:
                 shutil.copyfile(Path(args.checkpoint) / name, out / name)
     layout = model.config.extra["quant"]["layers"]
     print(f"wrote {out}: {len(layout)} layers at int{args.bits}, group size "
-          f"{args.group_size if args.group_size is not None else ('64' if args.bits == 4 else 'per channel')}",
+          f"{args.group_size if args.group_size is not None else ('64' if args.bits == 4 else '32')}",
           file=sys.stderr)
     return 0

@@ -23,6 +23,58 @@ static inline float hsum256(__m256 v) {
 
 #define RB 4 /* activation rows handled together: each weight is unpacked once per RB rows */
 
+/* The row-block bodies take the row count R as a compile-time constant (always inlined into a switch on 1..RB), so
+ * the compiler unrolls the loops over rows and keeps every accumulator in a register; with a run-time count the
+ * accumulators lived on the stack and each FMA waited on a store-to-load round trip. */
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE void q4_unpack32(const uint8_t *p, __m128i mask, __m256 w[4]) {
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    w[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+/* y[r * N] for R activation rows of one weight row. With one or two rows, two partial sums per row break the FMA
+ * dependency chain; with more, the rows themselves are independent chains (and 16 ymm registers hold no more). */
+INLINE void q4_row(const int R, const float *x, int64_t K, const uint8_t *row, const float *sc, const float *mn,
+                   int64_t G, int64_t ng, const float *xsum, float bias, float *y, int64_t N) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    __m256 tot[RB];
+    float moff[RB];
+    for (int r = 0; r < R; r++) { tot[r] = _mm256_setzero_ps(); moff[r] = 0.f; }
+    for (int64_t g = 0; g < ng; g++) {
+        __m256 a[RB], b[RB];
+        for (int r = 0; r < R; r++) { a[r] = _mm256_setzero_ps(); b[r] = _mm256_setzero_ps(); }
+        for (int64_t k0 = g * G; k0 < (g + 1) * G; k0 += 32) {
+            __m256 w[4];
+            q4_unpack32(row + k0 / 2, mask, w);
+            for (int r = 0; r < R; r++) {
+                const float *xr = x + r * K + k0;
+                if (R <= 2) {
+                    a[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a[r]);
+                    b[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), b[r]);
+                    a[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a[r]);
+                    b[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), b[r]);
+                } else {
+                    a[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a[r]);
+                    a[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), a[r]);
+                    a[r] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xr + 16), a[r]);
+                    a[r] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xr + 24), a[r]);
+                }
+            }
+        }
+        const __m256 s = _mm256_set1_ps(sc[g]);
+        for (int r = 0; r < R; r++) {
+            tot[r] = _mm256_fmadd_ps(_mm256_add_ps(a[r], b[r]), s, tot[r]);
+            moff[r] += mn[g] * xsum[r * ng + g];
+        }
+    }
+    for (int r = 0; r < R; r++) y[r * N] = hsum256(tot[r]) + moff[r] + bias;
+}
+
 void seqlab_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qw, const float *scales,
                     const float *mins, int64_t N, int64_t G, const float *bias, float *y, int nthreads) {
     const int64_t ng = K / G;
@@ -33,45 +85,52 @@ void seqlab_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qw, con
             for (int64_t k = 0; k < G; k++) s += x[m * K + g * G + k];
             xsum[m * ng + g] = s;
         }
-    const __m128i mask = _mm_set1_epi8(0x0F);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = 0; n < N; n++) {
         const uint8_t *row = qw + n * (K / 2);
         const float *sc = scales + n * ng, *mn = mins + n * ng;
+        const float bn = bias ? bias[n] : 0.f;
         for (int64_t m0 = 0; m0 < M; m0 += RB) {
-            const int64_t rb = M - m0 < RB ? M - m0 : RB;
-            __m256 tot[RB];
-            float moff[RB];
-            for (int r = 0; r < RB; r++) { tot[r] = _mm256_setzero_ps(); moff[r] = 0.f; }
-            for (int64_t g = 0; g < ng; g++) {
-                __m256 acc[RB];
-                for (int r = 0; r < RB; r++) acc[r] = _mm256_setzero_ps();
-                for (int64_t k0 = g * G; k0 < (g + 1) * G; k0 += 32) {
-                    __m128i b = _mm_loadu_si128((const __m128i *)(row + k0 / 2));
-                    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-                    __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-                    __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-                    __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-                    __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-                    for (int r = 0; r < rb; r++) {
-                        const float *xr = x + (m0 + r) * K + k0;
-                        acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r]);
-                        acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r]);
-                        acc[r] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xr + 16), acc[r]);
-                        acc[r] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xr + 24), acc[r]);
-                    }
-                }
-                const __m256 s = _mm256_set1_ps(sc[g]);
-                for (int r = 0; r < rb; r++) {
-                    tot[r] = _mm256_fmadd_ps(acc[r], s, tot[r]);
-                    moff[r] += mn[g] * xsum[(m0 + r) * ng + g];
-                }
+            const float *xm = x + m0 * K, *xs = xsum + m0 * ng;
+            float *ym = y + m0 * N + n;
+            switch (M - m0 < RB ? M - m0 : RB) {
+            case 1: q4_row(1, xm, K, row, sc, mn, G, ng, xs, bn, ym, N); break;
+            case 2: q4_row(2, xm, K, row, sc, mn, G, ng, xs, bn, ym, N); break;
+            case 3: q4_row(3, xm, K, row, sc, mn, G, ng, xs, bn, ym, N); break;
+            default: q4_row(4, xm, K, row, sc, mn, G, ng, xs, bn, ym, N); break;
             }
-            for (int r = 0; r < rb; r++)
-                y[(m0 + r) * N + n] = hsum256(tot[r]) + moff[r] + (bias ? bias[n] : 0.f);
         }
     }
     free(xsum);
+}
+
+INLINE void q8_row(const int R, const float *x, int64_t K, const int8_t *row, const float *sc, int64_t G,
+                   int64_t ng, float bias, float *y, int64_t N) {
+    __m256 tot[RB];
+    for (int r = 0; r < R; r++) tot[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m256 a[RB], b[RB];
+        for (int r = 0; r < R; r++) { a[r] = _mm256_setzero_ps(); b[r] = _mm256_setzero_ps(); }
+        int64_t k0 = g * G;
+        for (; k0 + 16 <= (g + 1) * G; k0 += 16) {
+            __m128i q = _mm_loadu_si128((const __m128i *)(row + k0));
+            __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+            __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
+            for (int r = 0; r < R; r++) {
+                const float *xr = x + r * K + k0;
+                a[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), a[r]);
+                if (R <= 2) b[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), b[r]);
+                else a[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), a[r]);
+            }
+        }
+        for (; k0 < (g + 1) * G; k0 += 8) {
+            __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + k0))));
+            for (int r = 0; r < R; r++) a[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k0), a[r]);
+        }
+        const __m256 s = _mm256_set1_ps(sc[g]);
+        for (int r = 0; r < R; r++) tot[r] = _mm256_fmadd_ps(_mm256_add_ps(a[r], b[r]), s, tot[r]);
+    }
+    for (int r = 0; r < R; r++) y[r * N] = hsum256(tot[r]) + bias;
 }
 
 void seqlab_q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *qw, const float *scales, int64_t N,
@@ -81,33 +140,16 @@ void seqlab_q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *qw, cons
     for (int64_t n = 0; n < N; n++) {
         const int8_t *row = qw + n * K;
         const float *sc = scales + n * ng;
+        const float bn = bias ? bias[n] : 0.f;
         for (int64_t m0 = 0; m0 < M; m0 += RB) {
-            const int64_t rb = M - m0 < RB ? M - m0 : RB;
-            __m256 tot[RB];
-            for (int r = 0; r < RB; r++) tot[r] = _mm256_setzero_ps();
-            for (int64_t g = 0; g < ng; g++) {
-                __m256 acc[RB];
-                for (int r = 0; r < RB; r++) acc[r] = _mm256_setzero_ps();
-                int64_t k0 = g * G;
-                for (; k0 + 16 <= (g + 1) * G; k0 += 16) {
-                    __m128i b = _mm_loadu_si128((const __m128i *)(row + k0));
-                    __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
-                    __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
-                    for (int r = 0; r < rb; r++) {
-                        const float *xr = x + (m0 + r) * K + k0;
-                        acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xr), acc[r]);
-                        acc[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xr + 8), acc[r]);
-                    }
-                }
-                for (; k0 < (g + 1) * G; k0 += 8) {
-                    __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + k0))));
-                    for (int r = 0; r < rb; r++)
-                        acc[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + (m0 + r) * K + k0), acc[r]);
-                }
-                const __m256 s = _mm256_set1_ps(sc[g]);
-                for (int r = 0; r < rb; r++) tot[r] = _mm256_fmadd_ps(acc[r], s, tot[r]);
+            const float *xm = x + m0 * K;
+            float *ym = y + m0 * N + n;
+            switch (M - m0 < RB ? M - m0 : RB) {
+            case 1: q8_row(1, xm, K, row, sc, G, ng, bn, ym, N); break;
+            case 2: q8_row(2, xm, K, row, sc, G, ng, bn, ym, N); break;
+            case 3: q8_row(3, xm, K, row, sc, G, ng, bn, ym, N); break;
+            default: q8_row(4, xm, K, row, sc, G, ng, bn, ym, N); break;
             }
-            for (int r = 0; r < rb; r++) y[(m0 + r) * N + n] = hsum256(tot[r]) + (bias ? bias[n] : 0.f);
         }
     }
 }
@@ -118,18 +160,16 @@ void seqlab_q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *qw, cons
 void seqlab_q4_dequant(const uint8_t *qw, const float *scales, const float *mins, int64_t K, int64_t G, int64_t r0,
                        int64_t r1, float *out, int nthreads) {
     const int64_t ng = K / G;
+    const __m128i mask = _mm_set1_epi8(0x0F);
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t n = r0; n < r1; n++) {
         const uint8_t *row = qw + n * (K / 2);
         float *o = out + (n - r0) * K;
         for (int64_t k0 = 0; k0 < K; k0 += 32) {
-            const float s = scales[n * ng + k0 / G], m = mins[n * ng + k0 / G];
-            for (int j = 0; j < 16; j++) {
-                uint8_t b = row[k0 / 2 + j];
-                float lo = (float)(b & 0x0F) * s, hi = (float)(b >> 4) * s;
-                o[k0 + j] = lo + m;
-                o[k0 + 16 + j] = hi + m;
-            }
+            const __m256 s = _mm256_set1_ps(scales[n * ng + k0 / G]), m = _mm256_set1_ps(mins[n * ng + k0 / G]);
+            __m256 w[4];
+            q4_unpack32(row + k0 / 2, mask, w);
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(o + k0 + 8 * j, _mm256_add_ps(_mm256_mul_ps(w[j], s), m));
         }
     }
 }
@@ -138,8 +178,14 @@ void seqlab_q8_dequant(const int8_t *qw, const float *scales, int64_t K, int64_t
                        float *out, int nthreads) {
     const int64_t ng = K / G;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t n = r0; n < r1; n++)
-        for (int64_t k = 0; k < K; k++) out[(n - r0) * K + k] = (float)qw[n * K + k] * scales[n * ng + k / G];
+    for (int64_t n = r0; n < r1; n++) {
+        const int8_t *row = qw + n * K;
+        float *o = out + (n - r0) * K;
+        for (int64_t k = 0; k < K; k += 8) {  /* K and G are multiples of 8 */
+            __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + k))));
+            _mm256_storeu_ps(o + k, _mm256_mul_ps(w, _mm256_set1_ps(scales[n * ng + k / G])));
+        }
+    }
 }
 
 /* Evict a buffer from every cache level: the route timer measures products on weights streamed from DRAM, as

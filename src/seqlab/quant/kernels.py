@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 _SOURCE = Path(__file__).with_name("kernel.c")
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 _STATE: dict[str, object] = {}
 
 
@@ -37,15 +37,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("SEQLAB_CACHE", Path.home() / ".cache" / "seqlab"))
 
 
+def source_key() -> str:
+    """Hash of the kernel source and flags: a new kernel build gets its own library and route decisions."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc") or "cc"
+    return hashlib.sha256(_SOURCE.read_bytes() + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
+
+
 def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
     if not _cpu_has_avx2():
         raise RuntimeError("the CPU has no AVX2 + FMA")
-    src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
-    lib = cache_dir() / "kernels" / f"quant_{key}.so"
+    lib = cache_dir() / "kernels" / f"quant_{source_key()}.so"
     if not lib.is_file():
         lib.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=lib.parent, suffix=".so")

@@ -3,24 +3,27 @@
 Why by measurement: the fastest way to multiply by an int4/int8 weight depends on the CPU, the thread count and
 the number of activation rows. At one or a few rows (decode) the weight stream dominates and the packed kernel
 wins; at hundreds of rows (prefill) the product is compute-bound, and dequantising blocks of the weight into
-fp32 for oneDNN/MKL's GEMM can be faster. So each (scheme, shape, row bucket, threads) is timed once against
-fp32 ``F.linear`` on the same (dequantised) weight, and the fastest quantised route is kept.
+fp32 for oneDNN/MKL's GEMM is faster. So each (scheme, shape, row bucket) is timed once and the fastest route
+kept. Decisions are cached on disk per CPU signature (model, ISA flags and caps, torch version, threads) and
+kernel build, so only the first run on a machine pays for the timing (seconds at prefill sizes).
 
-This is the interface the accelerator layer can take over: ``ROUTES`` (name -> function), :func:`time_routes`
-(measure one key) and :func:`choose_route` (cached decision); :func:`set_route` pins a decision (tests, or
-an accel cache loaded from disk), and :func:`route_table` lists what was measured.
+``ROUTES`` (name -> function), :func:`time_routes` (measure one key) and :func:`choose_route` (cached decision);
+:func:`set_route` pins a decision (tests), and :func:`route_table` lists the decisions of this process.
 """
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from seqlab.quant import kernels
+from seqlab.runtime import atomic_write_json
+from seqlab.runtime.cpu import current_signature
 
 _BUCKETS = (1, 4, 8, 16, 64, 256)
 _BLOCK_ROWS = 2048  # output rows dequantised at a time by the blockwise route
@@ -78,24 +81,23 @@ def key_for(layer, rows: int) -> RouteKey:
 
 
 @torch.no_grad()
-def time_routes(layer, rows: int, reps: int = 7) -> dict[str, float]:
-    """Best-of-``reps`` seconds of each available route and of fp32 ``F.linear`` (``"fp32"``) at ``rows`` rows.
+def time_routes(layer, rows: int, reps: int = 5) -> dict[str, float]:
+    """Best-of-``reps`` seconds of each available route at ``rows`` rows, the weights streamed from DRAM.
 
     The candidates are interleaved and the minimum kept, so a busy neighbour on a shared machine slows all of
-    them alike instead of deciding the race. Candidates 3x slower than the best after one timing keep that time.
+    them alike instead of deciding the race. A candidate 3x slower than the best after one timing keeps that time.
+    No fp32 copy of the weight is made: that would double a quantised model's peak memory while it calibrates.
     """
     x = torch.randn(rows, layer.in_features)
-    dense = layer.dequantize()
-    fns = {"fp32": lambda: F.linear(x, dense, layer.bias)}
-    fns.update({name: (lambda fn=fn: fn(layer, x)) for name, fn in ROUTES.items() if available(name)})
+    fns = {name: (lambda fn=fn: fn(layer, x)) for name, fn in ROUTES.items() if available(name)}
     best = {name: float("inf") for name in fns}
-    weights = (dense, layer.qweight, layer.scales, layer.mins)
-    for name, fn in fns.items():  # warm: caches, lazy builds
+    weights = (layer.qweight, layer.scales, layer.mins)
+    for fn in fns.values():  # warm: caches, lazy builds
         fn()
     for rep in range(reps):
         if rep == 1:  # a candidate already 3x slower than the best is out: calibration stays cheap
             fastest = min(best.values())
-            fns = {n: f for n, f in fns.items() if n == "fp32" or best[n] <= 3 * fastest}
+            fns = {n: f for n, f in fns.items() if best[n] <= 3 * fastest}
         for name, fn in fns.items():
             kernels.evict(*weights)  # a decode step streams each weight from DRAM: time it cold, not from cache
             t0 = time.perf_counter()
@@ -104,14 +106,45 @@ def time_routes(layer, rows: int, reps: int = 7) -> dict[str, float]:
     return best
 
 
+def _disk_key(key: RouteKey) -> str:
+    return f"int{key.bits}-g{key.group_size}-{key.out_features}x{key.in_features}-rows{key.rows}"
+
+
+def cache_path() -> Path:
+    """One file per CPU signature and kernel build: a decision measured elsewhere is never reused here."""
+    build = "kernel" if kernels.load_kernels() is not None else "torch"
+    return kernels.cache_dir() / f"quant-routes-{current_signature().key()}-{build}-{kernels.source_key()}.json"
+
+
+def _load_disk() -> dict[str, dict]:
+    try:
+        entries = json.loads(cache_path().read_text()).get("entries", {})
+        return {k: v for k, v in entries.items() if isinstance(v, dict) and v.get("route") in ROUTES}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _store_disk(key: RouteKey, name: str, timings: dict[str, float]) -> None:
+    try:  # an unwritable cache only costs a new timing next time
+        entries = {**_load_disk(), _disk_key(key): {"route": name, "seconds": timings}}
+        atomic_write_json(cache_path(), {"signature": current_signature().to_dict(), "entries": entries})
+    except OSError:
+        pass
+
+
 def choose_route(layer, rows: int) -> str:
-    """The fastest quantised route for this layer's key (measured at the bucket's row count on first use)."""
+    """The fastest route for this layer's key: from this process, the disk cache, or timed now (then cached)."""
     key = key_for(layer, rows)
     name = _CHOSEN.get(key)
     if name is None:
-        timings = time_routes(layer, key.rows)
+        stored = _load_disk().get(_disk_key(key))
+        if stored is not None and available(stored["route"]):
+            name, timings = stored["route"], stored.get("seconds", {})
+        else:
+            timings = time_routes(layer, key.rows)
+            name = min(timings, key=timings.__getitem__)
+            _store_disk(key, name, timings)
         _TIMINGS[key] = timings
-        name = min((n for n in timings if n != "fp32"), key=timings.__getitem__)
         _CHOSEN[key] = name
     return name
 
@@ -129,7 +162,7 @@ def clear_routes() -> None:
 
 def route_table() -> list[dict]:
     """Every decision so far with its timings: what a report or an accel cache stores."""
-    return [{**key.__dict__, "route": _CHOSEN[key], "seconds": _TIMINGS.get(key, {})} for key in _CHOSEN]
+    return [{**asdict(key), "route": _CHOSEN[key], "seconds": _TIMINGS.get(key, {})} for key in _CHOSEN]
 
 
 def run_route(layer, x: Tensor) -> Tensor:
