@@ -63,7 +63,7 @@ EVAL_CASES: list[Case] = [
     Case("eval-json-under-a-file", ["eval", "{run}", "--json", "{tmp}/afile/e.json"], "lies under", files={"afile": "x"}),
     Case("eval-json-is-a-directory", ["eval", "{run}", "--json", "{tmp}"], "is a directory"),
     Case("eval-device-cuda-missing", ["eval", "{run}", "--device", "cuda:99"], "--device cuda:99"),
-    Case("eval-no-checkpoint", ["eval", "{tmp}"], "no seqlab checkpoint"),
+    Case("eval-no-checkpoint", ["eval", "{tmp}"], "no model here"),
 ]
 
 GENERATE_CASES: list[Case] = [
