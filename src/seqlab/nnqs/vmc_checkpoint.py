@@ -80,7 +80,8 @@ def check_new_run(out: Path, resume: bool) -> None:
 
 
 def _is_stray_temp(name: str) -> bool:
-    """Temporary names of atomic writes (runtime.files, logbook plots) of this run's own files."""
+    """Temporary names of atomic writes (runtime.files; ``.<stem>.tmp-<pid>``: plots of earlier versions) of this
+    run's own files."""
     if name.startswith(".write-test-"):
         return True
     return any(name.startswith((f".{f}.", f".{Path(f).stem}.tmp-")) for f in RUN_FILES) and ".tmp" in name
