@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from seqlab.runtime import CheckpointError
+from seqlab.runtime.files import atomic_path
 
 
 def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -34,15 +34,8 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
