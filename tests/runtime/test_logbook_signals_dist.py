@@ -82,6 +82,11 @@ def test_asking_for_a_missing_gpu_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="--device cuda: this torch sees no CUDA GPU"):
         dist.resolve_device("cuda")
+    with pytest.raises(ValueError, match="--device mps: seqlab runs on auto, cpu, cuda or cuda:N"):
+        dist.resolve_device("mps")
+    with pytest.raises(ValueError, match="--device gpu: not a device"):
+        dist.resolve_device("gpu")
+    assert dist.resolve_device("auto") == torch.device("cpu")
 
 
 def _two_rank_worker(rank: int, port: int, out: str) -> None:
