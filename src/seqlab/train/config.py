@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from seqlab.config import ModelConfig
+from seqlab.config import ConfigError, ModelConfig
 from seqlab.objectives import OBJECTIVES
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -22,12 +22,10 @@ PARALLEL = ("none", "ddp", "fsdp")
 SCHEDULES = ("cosine", "constant")
 
 
-class TrainConfigError(ValueError):
+class TrainConfigError(ConfigError):
     """A training configuration value is invalid; the message names the field."""
 
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"TrainConfig.{field_name}: {message}")
-        self.field = field_name
+    owner = "TrainConfig"
 
 
 @dataclass
