@@ -56,7 +56,7 @@ TRAIN_CASES: list[Case] = [
     Case("train-device-cuda-missing", ["train", *_TINY, "--device", "cuda:99", "--out", "{tmp}/r"], "--device cuda:99"),
     Case("train-model-bogus-field", ["train", *_TINY, "--model", "bogus_key=1", "--out", "{tmp}/r"], "bogus_key"),
     Case("train-resume-truncated-config", ["train", "--out", "{tmp}/cut", "--resume", "--no-progress"],
-         "cut/config.json: not valid JSON", files={"cut/config.json": '{"train": {"objective": "clm", "seq_len":'}),
+         "cut/config.json: line 1: not valid JSON", files={"cut/config.json": '{"train": {"objective": "clm", "seq_len":'}),
 ]
 
 EVAL_CASES: list[Case] = [

@@ -2,7 +2,11 @@ import stat
 
 import pytest
 
-from seqlab.runtime.files import atomic_path, atomic_write_bytes
+from seqlab.runtime.files import atomic_path, atomic_write_bytes, read_json_object
+
+
+class BadDocument(Exception):
+    pass
 
 
 def _mode(path):
@@ -27,3 +31,19 @@ def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
             raise RuntimeError("writer failed")
     assert target.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["model.safetensors"]
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, r"c\.json: file not found"),
+    ('{"a": 1,\n "b": }', r"c\.json: line 2: not valid JSON \(Expecting value\)"),
+    (b"\xff\xfe{}", r"c\.json: not valid JSON \(not UTF-8 text\)"),
+    ("[1, 2]", r"c\.json: expected a JSON object, got list"),
+])
+def test_a_bad_json_file_is_one_error_of_the_callers_class_naming_the_file(tmp_path, text, message):
+    path = tmp_path / "c.json"
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    elif text is not None:
+        path.write_text(text)
+    with pytest.raises(BadDocument, match=message):
+        read_json_object(path, BadDocument)

@@ -7,7 +7,6 @@ match the model, and non-finite weights (a NaN in one weight turns every output 
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from seqlab.runtime import CheckpointError
-from seqlab.runtime.files import atomic_path
+from seqlab.runtime.files import atomic_path, read_json_object
 
 
 def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -81,14 +80,4 @@ def _is_tied(model: nn.Module, name: str) -> bool:
 
 def read_config_json(path: Path) -> dict:
     """A JSON object from ``path``; any problem is a CheckpointError naming the file (and line)."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from e
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON (not UTF-8 text)") from e
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return doc
+    return read_json_object(path, CheckpointError)

@@ -68,6 +68,23 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2)
     atomic_write_text(path, json.dumps(obj, indent=indent) + "\n")
 
 
+def read_json_object(path: str | os.PathLike, error: type[Exception] = ValueError) -> dict[str, Any]:
+    """The JSON object in ``path``; a missing file, bad JSON or another JSON type raises ``error`` (the caller's
+    error class) naming the file, and the line where the JSON breaks."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{path}: file not found")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise error(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from e
+    except UnicodeDecodeError as e:
+        raise error(f"{path}: not valid JSON (not UTF-8 text)") from e
+    if not isinstance(doc, dict):
+        raise error(f"{path}: expected a JSON object, got {type(doc).__name__}")
+    return doc
+
+
 def ensure_writable_dir(path: str | os.PathLike, what: str) -> Path:
     """Create ``path`` if needed and check that files can be made in it; a clear one-line error naming ``what``
     (a flag) otherwise, before any long work starts."""

@@ -8,7 +8,6 @@ holds ``to_dict()`` so ``--resume`` can refuse a config that changed in a way th
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any
 
 from seqlab.config import ConfigError, ModelConfig
 from seqlab.objectives import OBJECTIVES
+from seqlab.runtime.files import read_json_object
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 PARALLEL = ("none", "ddp", "fsdp")
@@ -168,10 +168,7 @@ RESUME_MUTABLE = frozenset({
 def read_run_config(out_dir: str | os.PathLike) -> dict[str, Any]:
     """The ``train`` section of ``<out_dir>/config.json``; a damaged file is named in the error."""
     path = Path(out_dir) / "config.json"
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); the run's configuration is damaged") from e
-    if not isinstance(doc, dict) or not isinstance(doc.get("train"), dict):
+    doc = read_json_object(path)
+    if not isinstance(doc.get("train"), dict):
         raise ValueError(f"{path}: no \"train\" section; not a seqlab run configuration")
     return doc["train"]
