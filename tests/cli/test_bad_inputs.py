@@ -56,14 +56,14 @@ TRAIN_CASES: list[Case] = [
     Case("train-device-cuda-missing", ["train", *_TINY, "--device", "cuda:99", "--out", "{tmp}/r"], "--device cuda:99"),
     Case("train-model-bogus-field", ["train", *_TINY, "--model", "bogus_key=1", "--out", "{tmp}/r"], "bogus_key"),
     Case("train-resume-truncated-config", ["train", "--out", "{tmp}/cut", "--resume", "--no-progress"],
-         "cut/config.json: not valid JSON", files={"cut/config.json": '{"train": {"objective": "clm", "seq_len":'}),
+         "cut/config.json: line 1: not valid JSON", files={"cut/config.json": '{"train": {"objective": "clm", "seq_len":'}),
 ]
 
 EVAL_CASES: list[Case] = [
     Case("eval-json-under-a-file", ["eval", "{run}", "--json", "{tmp}/afile/e.json"], "lies under", files={"afile": "x"}),
     Case("eval-json-is-a-directory", ["eval", "{run}", "--json", "{tmp}"], "is a directory"),
     Case("eval-device-cuda-missing", ["eval", "{run}", "--device", "cuda:99"], "--device cuda:99"),
-    Case("eval-no-checkpoint", ["eval", "{tmp}"], "no seqlab checkpoint"),
+    Case("eval-no-checkpoint", ["eval", "{tmp}"], "no model here"),
 ]
 
 GENERATE_CASES: list[Case] = [

@@ -7,13 +7,13 @@ generation. The models are session fixtures (conftest.py), so the slow HF import
 from __future__ import annotations
 
 import copy
-
 import random
 import unicodedata
 
 import pytest
 import torch
 
+from seqlab.cli.packaged import SMOLLM2_CHATS
 from seqlab.generate import generate
 from tests.real_models.conftest import SMOLLM
 
@@ -40,16 +40,6 @@ TEXTS = [
     " ",
     "\n",
 ]
-
-CHATS = [
-    [{"role": "user", "content": "What is the capital of France?"}],
-    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}],
-    [{"role": "user", "content": "Write a haiku about the sea."}],
-    [{"role": "user", "content": "What is 12 * 7?"}, {"role": "assistant", "content": "84"},
-     {"role": "user", "content": "And divided by 2?"}],
-    [{"role": "user", "content": "Give me three tips for learning Python."}],
-]
-
 
 def _hf_ids(out):
     return list(out["input_ids"]) if hasattr(out, "keys") else list(out)
@@ -110,7 +100,8 @@ def test_non_ascii_numerals_are_isolated_like_llama_cpp(smollm, hf_smollm_tokeni
 def test_chat_template_matches_hf(smollm, hf_smollm_tokenizer):
     _, tok = smollm
     hf = hf_smollm_tokenizer
-    for chat in CHATS + [[{"role": "user", "content": "emoji 🤖 and\ttabs"}, {"role": "assistant", "content": "ok"}]]:
+    odd = [{"role": "user", "content": "emoji 🤖 and\ttabs"}, {"role": "assistant", "content": "ok"}]
+    for chat in [*SMOLLM2_CHATS, odd]:
         for agp in (False, True):
             assert tok.apply_chat_template(chat, add_generation_prompt=agp, tokenize=False) == \
                 hf.apply_chat_template(chat, add_generation_prompt=agp, tokenize=False)
@@ -129,7 +120,7 @@ def test_model_matches_hf(smollm, hf_smollm, monkeypatch, capsys):
     """
     model, tok = smollm
     prompts = [tok.encode(t) for t in ("The capital of France is", "def fib(n):\n    return", "1, 2, 3, 4,")]
-    prompts.append(tok.apply_chat_template(CHATS[3], add_generation_prompt=True))
+    prompts.append(tok.apply_chat_template(SMOLLM2_CHATS[3], add_generation_prompt=True))
     refs = []
     with torch.no_grad():
         for ids in prompts:
@@ -143,7 +134,7 @@ def test_model_matches_hf(smollm, hf_smollm, monkeypatch, capsys):
         assert (ours[i, -len(ids):] - refs[i]).abs().max().item() < 1e-3
 
     eos = tok.eos_id
-    prompts = [tok.apply_chat_template(c, add_generation_prompt=True) for c in CHATS]
+    prompts = [tok.apply_chat_template(c, add_generation_prompt=True) for c in SMOLLM2_CHATS]
     expected = []
     with torch.no_grad():
         for ids in prompts:
@@ -163,7 +154,7 @@ def test_model_matches_hf(smollm, hf_smollm, monkeypatch, capsys):
     # a copy: the CLI accelerates the model it loads in place, and the session fixture must stay a plain model
     loaded = copy.deepcopy(model)
     monkeypatch.setattr(model_args, "load_gguf", lambda path, dtype=torch.float32, device=None, quant=None: (loaded, tok))
-    assert main(["chat", "--message", CHATS[0][0]["content"], "--temperature", "0", "--max-new-tokens", "64"]) == 0
+    assert main(["chat", "--message", SMOLLM2_CHATS[0][0]["content"], "--temperature", "0", "--max-new-tokens", "64"]) == 0
     reply = capsys.readouterr().out
     assert loaded.accel_plan.for_ == "decode"  # the CLI accelerated the model it loaded (routes by calibration)
     assert reply == tok.decode([t for t in expected[0] if t != eos], skip_special_tokens=True).strip() + "\n"

@@ -4,6 +4,7 @@ import signal
 
 import pytest
 import torch
+from matplotlib.colors import to_hex
 
 from seqlab.runtime import dist
 from seqlab.runtime.logbook import Logbook
@@ -26,6 +27,23 @@ def test_logbook_appends_truncates_on_resume_and_plots(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert log.plot(tmp_path / "none.png", "step", ["absent"], "y") is None
     assert Logbook(path).rows() == []  # a new log starts empty
+
+
+def test_each_reference_level_has_its_own_colour_dash_and_legend_entry(tmp_path):
+    log = Logbook(tmp_path / "energies.jsonl")
+    for s in range(1, 4):
+        log.append({"step": s, "energy": -1.0 - 0.01 * s})
+    refs = {"HF -1.0167": -1.0167, "CCSD(T) -1.1372": -1.1372, "FCI -1.1373": -1.1373}
+    fig = log.figure("step", ["energy"], "energy (Ha)", hlines=refs)
+    ax = fig.axes[0]
+    lines = {line.get_label(): line for line in ax.get_lines()}
+    styles = [(to_hex(lines[k].get_color()), lines[k].get_linestyle()) for k in refs]
+    curve = to_hex(lines["energy"].get_color())
+    assert len({c for c, _ in styles}) == len({d for _, d in styles}) == len(refs)
+    assert curve not in {c for c, _ in styles}
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["energy", *refs]
+    assert [line.get_ydata()[0] for line in map(lines.get, refs)] == list(refs.values())
+    assert not Logbook(tmp_path / "other.jsonl", enabled=False).figure("step", ["energy"], "E")
 
 
 def test_logbook_mirrors_numbers_to_tensorboard(tmp_path):
@@ -64,6 +82,11 @@ def test_asking_for_a_missing_gpu_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="--device cuda: this torch sees no CUDA GPU"):
         dist.resolve_device("cuda")
+    with pytest.raises(ValueError, match="--device mps: seqlab runs on auto, cpu, cuda or cuda:N"):
+        dist.resolve_device("mps")
+    with pytest.raises(ValueError, match="--device gpu: not a device"):
+        dist.resolve_device("gpu")
+    assert dist.resolve_device("auto") == torch.device("cpu")
 
 
 def _two_rank_worker(rank: int, port: int, out: str) -> None:

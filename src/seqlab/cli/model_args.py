@@ -22,6 +22,7 @@ from torch import nn
 from seqlab.data import Tokenizer, load_tokenizer
 from seqlab.io import load_gguf, load_hf, load_pretrained, resolve_checkpoint
 from seqlab.quant import quantize
+from seqlab.runtime.dist import resolve_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 QUANT_CHOICES = ("int8", "int4", "gguf")
@@ -43,7 +44,7 @@ def add_model_source(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--dtype", type=_dtype_name, choices=(*DTYPES, "auto"), default="fp32",
                    help="compute dtype: fp32 (default), bf16 (float32/bfloat16 are accepted too), or auto: bf16 where "
                         "this CPU has it natively and it measures faster (see docs/acceleration.md)")
-    p.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda[:N]")
+    p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda[:N], or auto (a GPU if any)")
     p.add_argument("--quant", choices=QUANT_CHOICES, default=None,
                    help="weight-only quantised inference: int8 (groups of 32), int4 (groups of 64), or gguf "
                         "(a GGUF file's Q4/Q8 blocks kept as they are; see docs/quantization.md)")
@@ -55,22 +56,6 @@ class LoadedModel:
     tokenizer: Tokenizer
     path: Path
     kind: str  # "seqlab", "hf" or "gguf": decides whether prompts get BOS from us or from the tokenizer's rule
-
-
-def check_device(device: str) -> torch.device:
-    """A usable torch device, or a one-line error naming ``--device``."""
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"--device {device!r}: not a torch device ({e})") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {device}: no CUDA GPU is available here (torch.cuda.is_available() is False); "
-                         "use --device cpu")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s)")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {device}: expected cpu or cuda[:N]")
-    return dev
 
 
 def check_writable(path: str | os.PathLike, flag: str) -> None:
@@ -90,7 +75,7 @@ def check_writable(path: str | os.PathLike, flag: str) -> None:
 
 def load_model(args: argparse.Namespace, default_gguf: Path | None = None) -> LoadedModel:
     """The model and tokenizer the flags name (``default_gguf`` when none is given), on ``--device``."""
-    device = check_device(args.device)
+    device = resolve_device(args.device)
     dtype = DTYPES.get(args.dtype, torch.float32)  # auto: load fp32, the accelerator picks the compute dtype
     if args.checkpoint:
         folder = resolve_checkpoint(args.checkpoint)

@@ -18,10 +18,11 @@ from seqlab.nnqs.molecules import UNITS, get_molecule
 from seqlab.nnqs.references import prepare
 from seqlab.nnqs.sampler import SamplerConfig
 from seqlab.nnqs.vmc import HARTREE_TO_MHA, VMCConfig
-from seqlab.nnqs.vmc_checkpoint import check_new_run, move_aside
+from seqlab.nnqs.vmc_checkpoint import check_new_run, existing_run
 from seqlab.runtime import atomic_write_text, progress as progress_bar
 from seqlab.runtime.dist import barrier, init_distributed, set_cpu_threads, shutdown
 from seqlab.runtime.files import ensure_writable_dir
+from seqlab.runtime.rundir import claim_run_dir
 from seqlab.runtime.signals import GracefulStop
 
 EPILOG = """\
@@ -165,8 +166,8 @@ def run(args: argparse.Namespace) -> int:
     dist = init_distributed(backend="gloo", device="cpu")  # seqlab.nnqs runs on CPU
     set_cpu_threads(args.threads, dist)
     try:
-        if args.overwrite and dist.is_main and (moved := move_aside(out)) is not None:
-            ensure_writable_dir(out, "--out")
+        moved = claim_run_dir(out, existing_run(out), overwrite=True) if args.overwrite and dist.is_main else None
+        if moved is not None:
             print(f"[seqlab] --overwrite: the previous run in {out} was moved to {moved}", file=sys.stderr)
         barrier(dist)  # no rank looks at --out before an old run has left it
         t0 = time.perf_counter()

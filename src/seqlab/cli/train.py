@@ -31,11 +31,12 @@ from seqlab.io.checkpoint import load_pretrained
 from seqlab.objectives import OBJECTIVES
 from seqlab.runtime.dist import resolve_device
 from seqlab.runtime.files import atomic_write_text, check_writable_file, ensure_writable_dir
+from seqlab.runtime.rundir import claim_run_dir
 from seqlab.train.config import TrainConfig, read_run_config
 from seqlab.train.demo import run_demo as demo
 from seqlab.train.evaluate import evaluate_checkpoint
 from seqlab.train.run import build_run
-from seqlab.train.rundir import claim_run_dir
+from seqlab.train.rundir import existing_run
 from seqlab.train.trainer import Trainer
 
 # (flag, TrainConfig field, type, help)
@@ -171,7 +172,7 @@ def run_train(args: argparse.Namespace) -> int:
     if args.resume:
         ensure_writable_dir(args.out, "--out")
     elif main_rank:
-        moved = claim_run_dir(args.out, overwrite=args.overwrite)
+        moved = claim_run_dir(args.out, existing_run(args.out), overwrite=args.overwrite)
         if moved is not None:
             print(f"[seqlab] --overwrite: the previous run in {args.out} was moved to {moved}")
     cfg = make_config(args)

@@ -71,10 +71,14 @@ def read_jsonl(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
     return out
 
 
-def _require_str(obj: dict, key: str, path, lineno: int, allow_empty: bool = False) -> str:
+def _require(obj: dict, key: str, path, lineno: int) -> Any:
     if key not in obj:
         raise DataError(path, lineno, f"missing field {key!r} (have {sorted(obj)})")
-    val = obj[key]
+    return obj[key]
+
+
+def _require_str(obj: dict, key: str, path, lineno: int, allow_empty: bool = False) -> str:
+    val = _require(obj, key, path, lineno)
     if not isinstance(val, str):
         raise DataError(path, lineno, f"field {key!r} must be a string, got {type(val).__name__}")
     if not allow_empty and not val:
@@ -133,18 +137,14 @@ def validate_messages(messages: Any, path, lineno: int, field: str = "messages",
 def read_sft(path: str | os.PathLike) -> list[dict[str, Any]]:
     out = []
     for n, o in read_jsonl(path):
-        if "messages" not in o:
-            raise DataError(path, n, f"missing field 'messages' (have {sorted(o)})")
-        out.append({"messages": validate_messages(o["messages"], path, n)})
+        out.append({"messages": validate_messages(_require(o, "messages", path, n), path, n)})
     return out
 
 
 def read_preferences(path: str | os.PathLike) -> list[dict[str, Any]]:
     out = []
     for n, o in read_jsonl(path):
-        if "prompt" not in o:
-            raise DataError(path, n, f"missing field 'prompt' (have {sorted(o)})")
-        prompt = o["prompt"]
+        prompt = _require(o, "prompt", path, n)
         if isinstance(prompt, list):
             prompt = validate_messages(prompt, path, n, field="prompt", need_assistant=False)
         else:

@@ -28,6 +28,7 @@ from tokenizers import Tokenizer as Backend
 
 from seqlab.data.chat_template import render_chat_template
 from seqlab.runtime import atomic_write_text
+from seqlab.runtime.files import read_json_object
 
 PAD, BOS, EOS, MASK = "<pad>", "<bos>", "<eos>", "<mask>"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -307,12 +308,7 @@ def read_tokenizer_config(path: Path) -> dict[str, Any]:
     """The constructor arguments a ``tokenizer_config.json`` gives (token strings, template, BOS/EOS rule)."""
     if not path.is_file():
         return {}
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TokenizerError(f"{path}: invalid JSON ({e})") from e
-    if not isinstance(cfg, dict):
-        raise TokenizerError(f"{path}: expected a JSON object")
+    cfg = read_json_object(path, TokenizerError)
 
     def name(key: str) -> str | None:
         val = cfg.get(key)

@@ -22,7 +22,7 @@ from seqlab.io.tensors import load_state_into, load_tensors, read_config_json, s
 from seqlab.model import build_model
 from seqlab.quant.checkpoint import load_quantized
 from seqlab.runtime import CheckpointError, atomic_write_text
-from seqlab.train.checkpoint import latest_checkpoint, load_checkpoint
+from seqlab.train.checkpoint import load_checkpoint, resolve_checkpoint
 
 FORMAT = "seqlab"
 
@@ -38,27 +38,6 @@ def save_pretrained(model: nn.Module, out_dir: str | os.PathLike) -> Path:
     doc = {"format": FORMAT, "seqlab_version": seqlab.__version__, "config": model.config.to_dict()}
     atomic_write_text(out / "config.json", json.dumps(doc, indent=2) + "\n")
     return out
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """The model folder ``path`` means: itself (``config.json`` or ``state.json`` inside), or the latest
-    ``step_*`` checkpoint of a run directory (``checkpoints/`` inside) or of a ``checkpoints/`` folder."""
-    p = Path(path)
-    if not p.exists():
-        raise CheckpointError(f"{p}: no such file or directory")
-    if not p.is_dir():
-        raise CheckpointError(f"{p}: expected a model folder, a checkpoint folder or a run directory, not a file")
-    if (p / "checkpoints").is_dir():
-        latest = latest_checkpoint(p / "checkpoints")
-        if latest is None:
-            raise CheckpointError(f"{p / 'checkpoints'}: no checkpoint yet (no step_* folder)")
-        return latest
-    if (p / "config.json").is_file() or (p / "state.json").is_file():
-        return p
-    latest = latest_checkpoint(p)
-    if latest is None:
-        raise CheckpointError(f"{p}: no model here (expected config.json, state.json, or checkpoints/step_*/)")
-    return latest
 
 
 def model_config_from_doc(doc: dict, source: Path) -> ModelConfig:

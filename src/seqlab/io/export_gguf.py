@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ from torch import Tensor, nn
 
 from seqlab.io.export_hf import ExportError, llama_model_type, to_hf
 from seqlab.io.gguf_arch import ARCHITECTURES, GGUFArch, gguf_name, rope_permutation
+from seqlab.runtime.files import atomic_path
 
 __all__ = ["WEIGHT_TYPES", "check_exportable", "export_gguf", "gguf_architecture", "gguf_name", "rope_permutation",
            "tokenizer_metadata"]
@@ -102,10 +102,7 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike, tokenizer: Any = 
     if cfg.tie_embeddings:
         tensors.pop("lm_head.weight")  # no output.weight: llama.cpp (and seqlab's reader) tie to token_embd
     out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(out) as tmp:
         writer = gguf.GGUFWriter(tmp, arch.name)
         _write_metadata(writer, cfg, arch, tokenizer, weight_type, name)
         for hf_name, t in tensors.items():
@@ -120,11 +117,6 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike, tokenizer: Any = 
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        os.chmod(tmp, 0o644)  # mkstemp's 0600 would make the exported file private
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
     return out
 
 

@@ -7,9 +7,7 @@ match the model, and non-finite weights (a NaN in one weight turns every output 
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -18,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from seqlab.runtime import CheckpointError
+from seqlab.runtime.files import atomic_path, read_json_object
 
 
 def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -34,15 +33,8 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_tensors(tensors: dict[str, torch.Tensor], path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def load_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -88,14 +80,4 @@ def _is_tied(model: nn.Module, name: str) -> bool:
 
 def read_config_json(path: Path) -> dict:
     """A JSON object from ``path``; any problem is a CheckpointError naming the file (and line)."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: file not found")
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path}: line {e.lineno}: not valid JSON ({e.msg})") from e
-    except UnicodeDecodeError as e:
-        raise CheckpointError(f"{path}: not valid JSON (not UTF-8 text)") from e
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"{path}: expected a JSON object")
-    return doc
+    return read_json_object(path, CheckpointError)

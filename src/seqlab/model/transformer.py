@@ -148,6 +148,10 @@ class _Activation(nn.Module):
 
 class _Model(nn.Module):
     config: ModelConfig
+    lm_head: LMHead
+
+    def head(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden)
 
     def _init_weights(self) -> None:
         """GPT-2 initialisation: N(0, std) weights, zero biases, residual projections scaled by 1/sqrt(2L)."""
@@ -167,17 +171,25 @@ class _Model(nn.Module):
         return n
 
 
-class Decoder(_Model):
+class _OneStack(_Model):
+    """Decoder and Encoder: one stack of blocks (causal or not) under an LM head that may share its embedding."""
+
+    causal: bool
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.stack = Stack(cfg, cfg.n_layers, causal=True, cross=False)
+        self.stack = Stack(cfg, cfg.n_layers, causal=self.causal, cross=False)
         self.lm_head = LMHead(cfg, self.stack.embed.tok)
         self._init_weights()
 
     @property
     def blocks(self) -> nn.ModuleList:
         return self.stack.blocks
+
+
+class Decoder(_OneStack):
+    causal = True
 
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None, device=None) -> KVCache:
         return self.stack.new_cache(batch_size, max_len or self.config.max_seq_len, dtype, device)
@@ -185,30 +197,15 @@ class Decoder(_Model):
     def body(self, input_ids, attention_mask=None, position_ids=None, cache=None, document_ids=None) -> Tensor:
         return self.stack(input_ids, attention_mask, position_ids, cache, document_ids)
 
-    def head(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden)
-
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, document_ids=None) -> Tensor:
         return self.head(self.body(input_ids, attention_mask, position_ids, cache, document_ids))
 
 
-class Encoder(_Model):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.config = cfg
-        self.stack = Stack(cfg, cfg.n_layers, causal=False, cross=False)
-        self.lm_head = LMHead(cfg, self.stack.embed.tok)
-        self._init_weights()
-
-    @property
-    def blocks(self) -> nn.ModuleList:
-        return self.stack.blocks
+class Encoder(_OneStack):
+    causal = False
 
     def body(self, input_ids, attention_mask=None, position_ids=None, token_type_ids=None, document_ids=None) -> Tensor:
         return self.stack(input_ids, attention_mask, position_ids, None, document_ids, token_type_ids)
-
-    def head(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, token_type_ids=None, document_ids=None) -> Tensor:
         return self.head(self.body(input_ids, attention_mask, position_ids, token_type_ids, document_ids))
@@ -248,9 +245,6 @@ class EncoderDecoder(_Model):
     def decode(self, decoder_input_ids, memory, memory_mask=None, cache=None,
                decoder_attention_mask=None, position_ids=None) -> Tensor:
         return self.head(self.decode_body(decoder_input_ids, memory, memory_mask, cache, decoder_attention_mask, position_ids))
-
-    def head(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(hidden)
 
     def forward(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 cache=None, encoder_hidden=None) -> Tensor:

@@ -122,7 +122,7 @@ def plot_convergence(log: Logbook, out: Path, references: dict[str, float | None
     levels = {name: e for name, e in references.items() if e is not None}
     if e_ref is not None:
         levels.setdefault("FCI", e_ref)
-    # the labels carry the values: the reference lines share one style, so the axis tells them apart
+    # each reference has its own colour and dash; the labels carry the values, which may lie mHa apart
     log.plot(out / "convergence.png", "step", ["energy"], "energy (Ha)", title,
              hlines={f"{name} {e:.6f}": e for name, e in levels.items()})
     if e_ref is not None:

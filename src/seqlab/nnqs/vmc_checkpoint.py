@@ -9,8 +9,6 @@ so a resumed run continues bit for bit.
 
 from __future__ import annotations
 
-import os
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ import torch
 from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.runtime.errors import CheckpointError
 from seqlab.runtime.rng import capture_rng, restore_rng
+from seqlab.runtime.rundir import first_existing, refuse_run
 from seqlab.runtime.store import CheckpointStore, load_optimizer_state, optimizer_state_to_tensors
 
 KIND = "seqlab-nnqs-checkpoint"
@@ -63,19 +62,13 @@ def existing_run(out: Path) -> Path | None:
     latest = checkpoint_store(out, None).latest()
     if latest is not None:
         return latest
-    for name in (LEGACY_CHECKPOINT, *RUN_FILES):
-        if (out / name).exists():
-            return out / name
-    return None
+    return first_existing(out, (LEGACY_CHECKPOINT, *RUN_FILES))
 
 
 def check_new_run(out: Path, resume: bool) -> None:
     """Refuse to mix two runs in one folder: a new run needs a fresh ``out`` (or ``--resume``, or ``--overwrite``)."""
-    found = existing_run(out)
-    if not resume and found is not None:
-        raise ValueError(f"--out {out}: already holds a run ({found}); use --resume to continue it, or --overwrite "
-                         f"to move it aside and start a new one")
     if not resume:
+        refuse_run(out, existing_run(out))
         return
     store = checkpoint_store(out, None)
     latest = store.latest()
@@ -86,20 +79,9 @@ def check_new_run(out: Path, resume: bool) -> None:
                          f"resumed; start a new run with another --out")
 
 
-def move_aside(out: Path) -> Path | None:
-    """For ``--overwrite``: rename a run in ``out`` to ``<out>.old-<UTC time>`` (nothing is deleted)."""
-    if existing_run(out) is None:
-        return None
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    moved, n = out.with_name(f"{out.name}.old-{stamp}"), 1
-    while moved.exists():
-        moved, n = out.with_name(f"{out.name}.old-{stamp}-{n}"), n + 1
-    os.rename(out, moved)
-    return moved
-
-
 def _is_stray_temp(name: str) -> bool:
-    """Temporary names of atomic writes (runtime.files, logbook plots) of this run's own files."""
+    """Temporary names of atomic writes (runtime.files; ``.<stem>.tmp-<pid>``: plots of earlier versions) of this
+    run's own files."""
     if name.startswith(".write-test-"):
         return True
     return any(name.startswith((f".{f}.", f".{Path(f).stem}.tmp-")) for f in RUN_FILES) and ".tmp" in name

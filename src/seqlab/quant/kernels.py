@@ -13,12 +13,13 @@ import hashlib
 import os
 import shutil
 import subprocess
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from seqlab.runtime.files import atomic_path
 
 _SOURCE = Path(__file__).with_name("kernel.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
@@ -51,16 +52,11 @@ def _build() -> ctypes.CDLL:
         raise RuntimeError("the CPU has no AVX2 + FMA")
     lib = cache_dir() / "kernels" / f"quant_{source_key()}.so"
     if not lib.is_file():
-        lib.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=lib.parent, suffix=".so")
-        os.close(fd)
-        try:
-            proc = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE)], capture_output=True, text=True, timeout=120)
+        with atomic_path(lib) as tmp:  # processes that build at once each rename a whole library into place
+            proc = subprocess.run([cc, *_FLAGS, "-o", str(tmp), str(_SOURCE)], capture_output=True, text=True,
+                                  timeout=120)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
-            os.replace(tmp, lib)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
     dll = ctypes.CDLL(str(lib))
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     dll.seqlab_q4_gemm.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i32]

@@ -43,6 +43,8 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         dev = torch.device(name)
     except RuntimeError as e:
         raise ValueError(f"--device {name}: not a device (use auto, cpu, cuda or cuda:N)") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name}: seqlab runs on auto, cpu, cuda or cuda:N")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError(f"--device {name}: this torch sees no CUDA GPU (use --device cpu or auto)")

@@ -8,14 +8,23 @@ drops the lines after its checkpoint's step, so the file reads as one uninterrup
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from seqlab.runtime.files import atomic_write_text
+from seqlab.runtime.files import atomic_write_bytes, atomic_write_text
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+# Reference levels (HF, CCSD(T), FCI, a target loss...): a colour and a dash each, none of them the colours of the
+# curves (matplotlib's first two, tab:blue and tab:orange, and tab:green on the right axis).
+REFERENCE_COLORS = ("black", "tab:red", "tab:purple", "tab:brown", "tab:gray", "tab:olive", "tab:cyan", "tab:pink")
+REFERENCE_DASHES = ("--", ":", "-.")
 
 
 def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
@@ -79,10 +88,24 @@ class Logbook:
     def plot(self, png_path: str | os.PathLike, x: str, ys: Sequence[str], ylabel: str, title: str = "",
              hlines: dict[str, float] | None = None, *, ys_right: Sequence[str] = (), ylabel_right: str = "",
              logy: bool = False) -> Path | None:
-        """Fields ``ys`` against field ``x`` as a PNG (None when there is nothing to draw).
+        """Fields ``ys`` against field ``x`` as a PNG, written atomically (None when there is nothing to draw).
 
-        ``hlines`` draws labelled reference levels (an exact energy, a target loss); ``ys_right`` go on a second
-        axis with their own label (bits per byte next to a loss in nats).
+        The arguments are those of :meth:`figure`."""
+        fig = self.figure(x, ys, ylabel, title, hlines, ys_right=ys_right, ylabel_right=ylabel_right, logy=logy)
+        if fig is None:
+            return None
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)
+        atomic_write_bytes(png_path, buf.getvalue())
+        return Path(png_path)
+
+    def figure(self, x: str, ys: Sequence[str], ylabel: str, title: str = "", hlines: dict[str, float] | None = None,
+               *, ys_right: Sequence[str] = (), ylabel_right: str = "", logy: bool = False) -> Figure | None:
+        """Fields ``ys`` against field ``x`` (None when there is nothing to draw, or on a rank that does not log).
+
+        ``hlines`` draws labelled reference levels (an exact energy, a target loss), each in its own colour and
+        dash so that levels close together stay apart; ``ys_right`` go on a second axis with their own label
+        (bits per byte next to a loss in nats).
         """
         if not self.enabled:
             return None
@@ -98,8 +121,9 @@ class Logbook:
         for y in ys:
             if series[y]:
                 ax.plot(*zip(*series[y]), "-" if len(series[y]) > 20 else "o-", lw=1.0, ms=3, label=y)
-        for label, level in (hlines or {}).items():
-            ax.axhline(level, color="k", lw=1, ls="--", label=label)
+        for i, (label, level) in enumerate((hlines or {}).items()):
+            color, dash = REFERENCE_COLORS[i % len(REFERENCE_COLORS)], REFERENCE_DASHES[i % len(REFERENCE_DASHES)]
+            ax.axhline(level, color=color, lw=1.2, ls=dash, label=label)
         if logy:
             ax.set_yscale("log")
         ax.set_xlabel(x)
@@ -117,11 +141,7 @@ class Logbook:
         ax.legend(handles, labels, loc="best")
         ax.set_title(title or self.path.parent.name)
         fig.tight_layout()
-        png_path = Path(png_path)
-        tmp = png_path.with_name(f".{png_path.stem}.tmp-{os.getpid()}.png")
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, png_path)
-        return png_path
+        return fig
 
     def close(self) -> None:
         if self._f is not None:

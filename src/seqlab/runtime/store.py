@@ -23,6 +23,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from seqlab.runtime.errors import CheckpointError
+from seqlab.runtime.files import fsync_path
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STALE_PREFIXES = (".tmp-", ".old-")
@@ -34,14 +35,6 @@ def sha256_file(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _dedupe_shared(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -167,7 +160,7 @@ class CheckpointStore:
             names.append(name)
         digests = {}
         for name in names:
-            _fsync(tmp / name)
+            fsync_path(tmp / name)
             digests[name] = sha256_file(tmp / name)
         meta.update(format=self.kind, version=self.version, step=step, files=digests)
         with open(tmp / "state.json", "w") as f:

@@ -4,6 +4,9 @@ Layout of ``<out>/checkpoints/step_00001000/``: ``model.safetensors`` (full weig
 ``optimizer.safetensors`` (tensors keyed ``"<param fqn>/<slot>"``), the model's ``config.json`` and the run's
 tokenizer files (so the directory is a loadable model folder), and ``state.json`` with everything else and the
 sha256 of every file. See ``seqlab.runtime.store`` for why it is written and read this way.
+
+``resolve_checkpoint`` turns a path into the model folder it means (a run directory: its latest checkpoint);
+``seqlab eval`` and every loader in ``seqlab.io`` use this one resolver.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from seqlab.runtime.store import CheckpointStore, optimizer_dict_from_tensors, o
 KIND = "seqlab-train-checkpoint"
 
 __all__ = ["KIND", "CheckpointError", "latest_checkpoint", "list_checkpoints", "load_checkpoint",
-           "model_folder_files", "save_checkpoint", "store"]
+           "model_folder_files", "resolve_checkpoint", "save_checkpoint", "store"]
 
 
 def store(root: str | os.PathLike, keep_last: int | None = None) -> CheckpointStore:
@@ -36,6 +39,27 @@ def list_checkpoints(root: str | os.PathLike) -> list[tuple[int, Path]]:
 
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return store(root).latest()
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The model folder ``path`` means: itself (``config.json`` or ``state.json`` inside), or the latest
+    ``step_*`` checkpoint of a run directory (``checkpoints/`` inside) or of a ``checkpoints/`` folder."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or directory")
+    if not p.is_dir():
+        raise CheckpointError(f"{p}: expected a model folder, a checkpoint folder or a run directory, not a file")
+    if (p / "checkpoints").is_dir():
+        latest = latest_checkpoint(p / "checkpoints")
+        if latest is None:
+            raise CheckpointError(f"{p / 'checkpoints'}: no checkpoint yet (no step_* folder)")
+        return latest
+    if (p / "config.json").is_file() or (p / "state.json").is_file():
+        return p
+    latest = latest_checkpoint(p)
+    if latest is None:
+        raise CheckpointError(f"{p}: no model here (expected config.json, state.json, or checkpoints/step_*/)")
+    return latest
 
 
 def save_checkpoint(root: str | os.PathLike, step: int, model_sd: dict[str, torch.Tensor], optim_sd: dict | None,

@@ -8,26 +8,24 @@ holds ``to_dict()`` so ``--resume`` can refuse a config that changed in a way th
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from seqlab.config import ModelConfig
+from seqlab.config import ConfigError, ModelConfig
 from seqlab.objectives import OBJECTIVES
+from seqlab.runtime.files import read_json_object
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 PARALLEL = ("none", "ddp", "fsdp")
 SCHEDULES = ("cosine", "constant")
 
 
-class TrainConfigError(ValueError):
+class TrainConfigError(ConfigError):
     """A training configuration value is invalid; the message names the field."""
 
-    def __init__(self, field_name: str, message: str):
-        super().__init__(f"TrainConfig.{field_name}: {message}")
-        self.field = field_name
+    owner = "TrainConfig"
 
 
 @dataclass
@@ -170,10 +168,7 @@ RESUME_MUTABLE = frozenset({
 def read_run_config(out_dir: str | os.PathLike) -> dict[str, Any]:
     """The ``train`` section of ``<out_dir>/config.json``; a damaged file is named in the error."""
     path = Path(out_dir) / "config.json"
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); the run's configuration is damaged") from e
-    if not isinstance(doc, dict) or not isinstance(doc.get("train"), dict):
+    doc = read_json_object(path)
+    if not isinstance(doc.get("train"), dict):
         raise ValueError(f"{path}: no \"train\" section; not a seqlab run configuration")
     return doc["train"]

@@ -23,9 +23,10 @@ import torch
 from seqlab.generate import generate
 from seqlab.runtime.files import atomic_write_text
 from seqlab.runtime.logbook import read_rows
+from seqlab.runtime.rundir import claim_run_dir
 from seqlab.train.config import TrainConfig
 from seqlab.train.run import build_run
-from seqlab.train.rundir import claim_run_dir
+from seqlab.train.rundir import existing_run
 from seqlab.train.trainer import Trainer
 
 DEMO_PROMPTS = ("ROMEO.\n", "To be, or not to be", "KING. My lords,")
@@ -84,7 +85,8 @@ def run_demo(out_dir: str = "runs/demo", train_seconds: float = 300.0, seed: int
     wall0 = time.perf_counter()
     cfg = demo_config(out_dir, train_seconds, seed, progress=progress, **overrides)
     out = Path(out_dir)
-    moved = claim_run_dir(out, overwrite=True)  # a demo always starts fresh; an earlier one is moved, not deleted
+    # a demo always starts fresh; an earlier one is moved, not deleted
+    moved = claim_run_dir(out, existing_run(out), overwrite=True)
     if moved is not None:
         print(f"[demo] the previous run in {out} was moved to {moved}")
     t = time.perf_counter()

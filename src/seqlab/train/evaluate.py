@@ -58,21 +58,9 @@ def evaluate_on_ranks(model: torch.nn.Module, objective: Any, data: Any, batch_s
     return EvalTotals.from_tensor(summed, info.world_size)
 
 
-def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or a run directory (its latest checkpoint)."""
-    p = Path(path)
-    if (p / "state.json").is_file():
-        return p
-    for root in (p / "checkpoints", p):
-        latest = ckpt.latest_checkpoint(root)
-        if latest is not None:
-            return latest
-    raise FileNotFoundError(f"{p}: no seqlab checkpoint here (expected state.json, or checkpoints/step_*/)")
-
-
 def load_trained(path: str | Path, device: str | torch.device = "cpu"):
     """(model in eval mode, tokenizer, TrainConfig, checkpoint dir) from a checkpoint or run directory."""
-    cdir = resolve_checkpoint(path)
+    cdir = ckpt.resolve_checkpoint(path)
     state, sd, _ = ckpt.load_checkpoint(cdir, load_optimizer=False)
     cfg = TrainConfig.from_dict(state["train_config"])
     model = build_model(ModelConfig.from_dict(state["model_config"]))

@@ -36,6 +36,7 @@ from seqlab.runtime.files import atomic_write_text
 from seqlab.runtime.logbook import Logbook
 from seqlab.runtime.progress import progress
 from seqlab.runtime.rng import capture_rng, restore_rng
+from seqlab.runtime.rundir import claim_run_dir
 from seqlab.runtime.signals import GracefulStop
 from seqlab.train.config import RESUME_MUTABLE, TrainConfig
 from seqlab.train.distributed import set_grad_sync, wrap_model
@@ -44,7 +45,7 @@ from seqlab.train.optim import build_optimizer
 from seqlab.train.order import StepSampler
 from seqlab.train.precision import resolve_precision
 from seqlab.train.recompute import enable_activation_checkpointing
-from seqlab.train.rundir import claim_run_dir
+from seqlab.train.rundir import existing_run
 from seqlab.train.schedule import LRSchedule
 
 
@@ -120,7 +121,7 @@ class Trainer:
         resume_path = self._find_resume(resume)
         if self.dist.is_main:
             if resume_path is None and not resume:
-                claim_run_dir(self.out_dir)
+                claim_run_dir(self.out_dir, existing_run(self.out_dir))
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self.store.clean_stale()
         D.barrier(self.dist)
