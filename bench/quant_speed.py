@@ -4,7 +4,7 @@
 
 Columns, measured interleaved in one process (the machine is shared: only ratios from one run mean anything):
 ``hf`` (transformers fp32 from the same GGUF), ``seqlab+packed`` (fp32, oneDNN-packed, as ``seqlab chat`` runs),
-``gguf`` (``load_gguf(quant="gguf")``: the file's Q4_1/Q8_0 blocks), ``int8`` (per channel) and ``int4`` (g64),
+``gguf`` (``load_gguf(quant="gguf")``: the file's Q4_1/Q8_0 blocks), ``int8`` (groups of 32, the default) and ``int4`` (g64),
 the last two re-quantised from the dense model. Decode tok/s = ``new / (t(1 + new tokens) - t(1 token))`` at
 batch 1 and 8 (EOS off); TTFT on a 512-token prompt. Bytes per token: every weight a decode step reads (all
 linear layers incl. the LM head, at their stored width) and that over the step time, against a measured DRAM
@@ -47,7 +47,7 @@ def load(impl: str, path: Path):
     if impl == "seqlab+packed":
         pack_for_inference(model, 1)
         return model
-    return quantize(model, bits=8 if impl == "int8" else 4, group_size=0 if impl == "int8" else 64)
+    return quantize(model, bits=8 if impl == "int8" else 4, group_size=None if impl == "int8" else 64)
 
 
 def weight_bytes(model) -> int:

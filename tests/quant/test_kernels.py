@@ -33,9 +33,38 @@ def test_kernel_library_builds_here():
 @pytest.mark.parametrize("rows", [1, 3, 8, 37])
 def test_route_equals_dequantised_matmul(route, scheme, rows):
     layer = _layer(scheme)
+    if not routes.available(route):  # the AVX-512 build under ISA caps or on an AVX2-only CPU: it must say why
+        assert route == "kernel512" and kernels.isa_allowed("avx512") is not None
+        with pytest.raises(RuntimeError, match="not available"):
+            routes.ROUTES[route](layer)
+        return
     x = torch.randn(rows, layer.in_features)
     ref = F.linear(x, layer.dequantize(), layer.bias)
-    _close(routes.ROUTES[route](layer, x), ref, layer.in_features)
+    _close(routes.ROUTES[route](layer)(x), ref, layer.in_features)
+
+
+def test_avx512_build_follows_the_cpu_and_its_caps(monkeypatch):
+    """The wider build runs only where the CPU has AVX-512 and no ISA cap (an AVX2-only machine's view) hides it."""
+    flags = kernels._cpu_flags()
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS", raising=False)
+    assert (kernels.isa_allowed("avx512") is None) == ({"avx512f", "avx512bw"} <= flags)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert kernels.isa_allowed("avx512") is not None
+
+
+def test_prepared_product_follows_replaced_weights():
+    """A layer keeps its prepared product per row count; new buffers (a copy, a reload) must not reuse it."""
+    layer = _layer(Scheme(8, 32))
+    x = torch.randn(1, layer.in_features)
+    with torch.no_grad():
+        layer(x)
+        other = _layer(Scheme(8, 32))
+        other.qweight.neg_()  # a different weight
+        layer.qweight = other.qweight.clone()
+        y = layer(x)
+    _close(y, F.linear(x, layer.dequantize(), layer.bias), layer.in_features)
 
 
 def test_forward_uses_chosen_route_and_any_batch_shape():

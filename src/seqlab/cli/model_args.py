@@ -46,8 +46,8 @@ def add_model_source(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "this CPU has it natively and it measures faster (see docs/acceleration.md)")
     p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda[:N], or auto (a GPU if any)")
     p.add_argument("--quant", choices=QUANT_CHOICES, default=None,
-                   help="weight-only quantised inference: int8 (groups of 32), int4 (groups of 64), or gguf "
-                        "(a GGUF file's Q4/Q8 blocks kept as they are; see docs/quantization.md)")
+                   help="weight-only quantised inference: int8 (groups of 32), int4 (groups of 64; 32 for a GGUF "
+                        "file), or gguf (a GGUF file's Q4/Q8 blocks kept as they are; see docs/quantization.md)")
 
 
 @dataclass

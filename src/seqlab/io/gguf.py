@@ -87,7 +87,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devic
 
     ``model.config.extra`` records the source file and the GGUF tensor types; the tokenizer carries the special
     ids and the chat template from the file. ``with_tokenizer=False`` returns ``(model, None)``.
-    ``quant``: "gguf" keeps Q4_0/Q4_1/Q8_0 blocks quantised, "int8"/"int4" (g64) re-quantise, None is dense.
+    ``quant``: "gguf" keeps Q4_0/Q4_1/Q8_0 blocks quantised, "int8" re-quantises (groups of 32),
+    "int4" too (groups of 32, the file's own Q4 block size), None is dense.
     """
     f = read_gguf(path)
     hf_config = gguf_hf_config(f)
@@ -116,7 +117,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devic
     load_state_into(model, state, str(f.path))
     model = model.to(device=device).eval()
     if quant in ("int8", "int4"):
-        model = quantize(model, bits=int(quant[3:]))
+        # int4 keeps the file's own 32-wide blocks: re-gridding Q4 weights into wider groups costs real perplexity
+        model = quantize(model, bits=int(quant[3:]), group_size=32 if quant == "int4" else None)
     return model, tokenizer
 
 

@@ -37,22 +37,27 @@ INLINE void q4_unpack32(const uint8_t *p, __m128i mask, __m256 w[4]) {
     w[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
 
+#ifndef __AVX512F__ /* ---------------------------------------------------------------- AVX2 + FMA build */
+
 /* y[r * N] for R activation rows of one weight row. With one or two rows, two partial sums per row break the FMA
  * dependency chain; with more, the rows themselves are independent chains (and 16 ymm registers hold no more). */
 INLINE void q4_row(const int R, const float *x, int64_t K, const uint8_t *row, const float *sc, const float *mn,
                    int64_t G, int64_t ng, const float *xsum, float bias, float *y, int64_t N) {
     const __m128i mask = _mm_set1_epi8(0x0F);
+    const int64_t blocks = G / 32; /* 32-element sub-blocks per group: walked by pointer, no index arithmetic */
+    const uint8_t *p = row;
+    const float *xp = x;
     __m256 tot[RB];
     float moff[RB];
     for (int r = 0; r < R; r++) { tot[r] = _mm256_setzero_ps(); moff[r] = 0.f; }
     for (int64_t g = 0; g < ng; g++) {
         __m256 a[RB], b[RB];
         for (int r = 0; r < R; r++) { a[r] = _mm256_setzero_ps(); b[r] = _mm256_setzero_ps(); }
-        for (int64_t k0 = g * G; k0 < (g + 1) * G; k0 += 32) {
+        for (int64_t j = 0; j < blocks; j++, p += 16, xp += 32) {
             __m256 w[4];
-            q4_unpack32(row + k0 / 2, mask, w);
+            q4_unpack32(p, mask, w);
             for (int r = 0; r < R; r++) {
-                const float *xr = x + r * K + k0;
+                const float *xr = xp + r * K;
                 if (R <= 2) {
                     a[r] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xr), a[r]);
                     b[r] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xr + 8), b[r]);
@@ -67,13 +72,49 @@ INLINE void q4_row(const int R, const float *x, int64_t K, const uint8_t *row, c
             }
         }
         const __m256 s = _mm256_set1_ps(sc[g]);
+        const float m = mn[g];
         for (int r = 0; r < R; r++) {
-            tot[r] = _mm256_fmadd_ps(_mm256_add_ps(a[r], b[r]), s, tot[r]);
-            moff[r] += mn[g] * xsum[r * ng + g];
+            tot[r] = _mm256_fmadd_ps(R <= 2 ? _mm256_add_ps(a[r], b[r]) : a[r], s, tot[r]);
+            moff[r] += m * xsum[r * ng + g];
         }
     }
     for (int r = 0; r < R; r++) y[r * N] = hsum256(tot[r]) + moff[r] + bias;
 }
+
+#else /* ------------------------------------------------------------------------- AVX-512 build (-mavx512f -mavx512bw)
+ * The same products 16 lanes wide: one widening per 16 weights instead of per 8, so the shuffle port that limits
+ * the AVX2 build does half the work. Which build runs is decided by timing both (seqlab.quant.routes). */
+INLINE void q4_row(const int R, const float *x, int64_t K, const uint8_t *row, const float *sc, const float *mn,
+                   int64_t G, int64_t ng, const float *xsum, float bias, float *y, int64_t N) {
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const int64_t blocks = G / 32;
+    const uint8_t *p = row;
+    const float *xp = x;
+    __m512 tot[RB];
+    float moff[RB];
+    for (int r = 0; r < R; r++) { tot[r] = _mm512_setzero_ps(); moff[r] = 0.f; }
+    for (int64_t g = 0; g < ng; g++) {
+        __m512 a[RB], b[RB];
+        for (int r = 0; r < R; r++) { a[r] = _mm512_setzero_ps(); b[r] = _mm512_setzero_ps(); }
+        for (int64_t j = 0; j < blocks; j++, p += 16, xp += 32) {
+            __m128i q = _mm_loadu_si128((const __m128i *)p);
+            __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
+            __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
+            for (int r = 0; r < R; r++) {
+                a[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xp + r * K), a[r]);
+                b[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xp + r * K + 16), b[r]);
+            }
+        }
+        const __m512 s = _mm512_set1_ps(sc[g]);
+        const float m = mn[g];
+        for (int r = 0; r < R; r++) {
+            tot[r] = _mm512_fmadd_ps(_mm512_add_ps(a[r], b[r]), s, tot[r]);
+            moff[r] += m * xsum[r * ng + g];
+        }
+    }
+    for (int r = 0; r < R; r++) y[r * N] = _mm512_reduce_add_ps(tot[r]) + moff[r] + bias;
+}
+#endif
 
 void seqlab_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qw, const float *scales,
                     const float *mins, int64_t N, int64_t G, const float *bias, float *y, int nthreads) {
@@ -104,6 +145,7 @@ void seqlab_q4_gemm(const float *x, int64_t M, int64_t K, const uint8_t *qw, con
     free(xsum);
 }
 
+#ifndef __AVX512F__
 INLINE void q8_row(const int R, const float *x, int64_t K, const int8_t *row, const float *sc, int64_t G,
                    int64_t ng, float bias, float *y, int64_t N) {
     __m256 tot[RB];
@@ -132,6 +174,31 @@ INLINE void q8_row(const int R, const float *x, int64_t K, const int8_t *row, co
     }
     for (int r = 0; r < R; r++) y[r * N] = hsum256(tot[r]) + bias;
 }
+
+#else
+INLINE void q8_row(const int R, const float *x, int64_t K, const int8_t *row, const float *sc, int64_t G,
+                   int64_t ng, float bias, float *y, int64_t N) {
+    __m512 tot[RB];
+    for (int r = 0; r < R; r++) tot[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512 a[RB];
+        for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
+        int64_t k0 = g * G;
+        for (; k0 + 16 <= (g + 1) * G; k0 += 16) {
+            __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + k0))));
+            for (int r = 0; r < R; r++) a[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * K + k0), a[r]);
+        }
+        if (k0 < (g + 1) * G) { /* a last 8 (rows and groups are multiples of 8) */
+            __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + k0))));
+            for (int r = 0; r < R; r++)
+                a[r] = _mm512_fmadd_ps(w, _mm512_maskz_loadu_ps(0x00FF, x + r * K + k0), a[r]);
+        }
+        const __m512 s = _mm512_set1_ps(sc[g]);
+        for (int r = 0; r < R; r++) tot[r] = _mm512_fmadd_ps(a[r], s, tot[r]);
+    }
+    for (int r = 0; r < R; r++) y[r * N] = _mm512_reduce_add_ps(tot[r]) + bias;
+}
+#endif
 
 void seqlab_q8_gemm(const float *x, int64_t M, int64_t K, const int8_t *qw, const float *scales, int64_t N,
                     int64_t G, const float *bias, float *y, int nthreads) {

@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -23,38 +24,62 @@ from seqlab.runtime.files import atomic_path
 
 _SOURCE = Path(__file__).with_name("kernel.c")
 _FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+# the same source built 16 lanes wide; which build runs is decided by timing (seqlab.quant.routes)
+ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f", "-mavx512bw"]}
+_ISA_CPU_FLAGS = {"avx2": ("avx2", "fma"), "avx512": ("avx2", "fma", "avx512f", "avx512bw")}
+# an ISA cap (as on an AVX2-only machine, or set by a user) keeps the wider build out
+_CAPS_BELOW_512 = {"ATEN_CPU_CAPABILITY": ("default", "avx2"), "ONEDNN_MAX_CPU_ISA": ("SSE41", "AVX", "AVX2"),
+                   "MKL_ENABLE_INSTRUCTIONS": ("SSE4_2", "AVX", "AVX2")}
 _STATE: dict[str, object] = {}
 
 
-def _cpu_has_avx2() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
+    return set(line.partition(":")[2].split())
+
+
+def isa_allowed(isa: str) -> str | None:
+    """None when this CPU may run the ``isa`` build, else the reason it may not."""
+    missing = [f for f in _ISA_CPU_FLAGS[isa] if f not in _cpu_flags()]
+    if missing:
+        return f"the CPU has no {' + '.join(missing)}"
+    if isa == "avx512":
+        for var, below in _CAPS_BELOW_512.items():
+            if os.environ.get(var, "").upper() in {b.upper() for b in below}:
+                return f"{var}={os.environ[var]} caps the ISA below AVX-512"
+    return None
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SEQLAB_CACHE", Path.home() / ".cache" / "seqlab"))
 
 
-def source_key() -> str:
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def source_key(isa: str = "avx2") -> str:
     """Hash of the kernel source and flags: a new kernel build gets its own library and route decisions."""
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc") or "cc"
-    return hashlib.sha256(_SOURCE.read_bytes() + " ".join([cc, *_FLAGS]).encode()).hexdigest()[:16]
+    blob = _SOURCE.read_bytes() + " ".join([_compiler() or "cc", *_FLAGS, *ISA_FLAGS[isa]]).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+def _build(isa: str) -> ctypes.CDLL:
+    cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
-    if not _cpu_has_avx2():
-        raise RuntimeError("the CPU has no AVX2 + FMA")
-    lib = cache_dir() / "kernels" / f"quant_{source_key()}.so"
+    reason = isa_allowed(isa)
+    if reason:
+        raise RuntimeError(reason)
+    lib = cache_dir() / "kernels" / f"quant_{isa}_{source_key(isa)}.so"
     if not lib.is_file():
         with atomic_path(lib) as tmp:  # processes that build at once each rename a whole library into place
-            proc = subprocess.run([cc, *_FLAGS, "-o", str(tmp), str(_SOURCE)], capture_output=True, text=True,
-                                  timeout=120)
+            proc = subprocess.run([cc, *_FLAGS, *ISA_FLAGS[isa], "-o", str(tmp), str(_SOURCE)], capture_output=True,
+                                  text=True, timeout=120)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
     dll = ctypes.CDLL(str(lib))
@@ -69,42 +94,54 @@ def _build() -> ctypes.CDLL:
     return dll
 
 
-def load_kernels() -> ctypes.CDLL | None:
-    """The compiled kernel library, or ``None`` where it cannot be built here (the reason is warned once)."""
-    if "dll" not in _STATE:
+def load_kernels(isa: str = "avx2") -> ctypes.CDLL | None:
+    """The compiled kernel library for ``isa``, or ``None`` where it cannot be built or run here.
+
+    A failed AVX2 build is warned about once (the torch routes take over); a missing AVX-512 is not news."""
+    if isa not in _STATE:
         try:
-            _STATE["dll"] = _build()
+            _STATE[isa] = _build(isa)
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-            warnings.warn(f"seqlab.quant: int kernels unavailable ({e}); using torch routes", RuntimeWarning)
-            _STATE["dll"] = None
-    return _STATE["dll"]  # type: ignore[return-value]
+            if isa == "avx2":
+                warnings.warn(f"seqlab.quant: int kernels unavailable ({e}); using torch routes", RuntimeWarning)
+            _STATE[isa] = None
+    return _STATE[isa]  # type: ignore[return-value]
 
 
 def _ptr(t: Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def int4_matmul(x: Tensor, qweight: Tensor, scales: Tensor, mins: Tensor, group_size: int,
-                bias: Tensor | None = None) -> Tensor:
-    """``x [M, K] @ W.T (+ bias)`` for a packed int4 ``W`` (fp32 ``x`` contiguous; see ``kernel.c``)."""
-    dll = load_kernels()
-    m, k = x.shape
-    n = qweight.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    dll.seqlab_q4_gemm(_ptr(x), m, k, _ptr(qweight), _ptr(scales), _ptr(mins), n, group_size, _ptr(bias), _ptr(y),
-                       torch.get_num_threads())
-    return y
+def product(layer, isa: str = "avx2") -> Callable[[Tensor], Tensor]:
+    """``x [M, K] -> x @ W.T (+ bias)`` for a quantised layer (fp32 ``x``, contiguous; see ``kernel.c``).
 
+    Every address and size is taken once, here, so a decode step's call costs one C call and one allocation;
+    the returned function holds the tensors it points into. It is stale once the layer's buffers are replaced.
+    """
+    dll = load_kernels(isa)
+    if dll is None:
+        raise RuntimeError(f"the {isa} int kernels are not available here")
+    n, k = layer.out_features, layer.in_features
+    group = layer.group_size or k
+    q = layer.qweight
+    scales = layer.scales.float().contiguous()  # a no-op unless someone cast the model (model.to(bf16))
+    mins = None if layer.mins is None else layer.mins.float().contiguous()
+    bias = None if layer.bias is None else layer.bias.float().contiguous()
+    if layer.bits == 4:
+        fn, weight_args = dll.seqlab_q4_gemm, (q.data_ptr(), scales.data_ptr(), mins.data_ptr())
+    else:
+        fn, weight_args = dll.seqlab_q8_gemm, (q.data_ptr(), scales.data_ptr())
+    bias_ptr = _ptr(bias)
+    empty, threads = torch.empty, torch.get_num_threads
 
-def int8_matmul(x: Tensor, qweight: Tensor, scales: Tensor, group_size: int, bias: Tensor | None = None) -> Tensor:
-    """``x [M, K] @ W.T (+ bias)`` for an int8 ``W`` with a scale per row and group (``group_size`` 0 = row)."""
-    dll = load_kernels()
-    m, k = x.shape
-    n = qweight.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    dll.seqlab_q8_gemm(_ptr(x), m, k, _ptr(qweight), _ptr(scales), n, group_size or k, _ptr(bias), _ptr(y),
-                       torch.get_num_threads())
-    return y
+    def run(x: Tensor) -> Tensor:
+        m = x.shape[0]
+        y = empty(m, n)
+        fn(x.data_ptr(), m, k, *weight_args, n, group, bias_ptr, y.data_ptr(), threads())
+        return y
+
+    run.holds = (q, scales, mins, bias)  # type: ignore[attr-defined]
+    return run
 
 
 def dequantize_rows(layer, r0: int, r1: int) -> Tensor:

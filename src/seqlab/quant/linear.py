@@ -31,6 +31,7 @@ class QuantLinear(nn.Module):
             self.mins = None
         self.register_buffer("scales", torch.zeros(out_features, ng))
         self.register_buffer("bias", torch.zeros(out_features) if bias else None)
+        self.prepared: dict[int, tuple] = {}  # row count -> the chosen route's product (seqlab.quant.routes)
 
     @property
     def scheme(self) -> Scheme:

@@ -43,12 +43,8 @@ def bucket(rows: int) -> int:
     return next((b for b in _BUCKETS if rows <= b), _BUCKETS[-1])
 
 
-def _kernel(layer, x: Tensor) -> Tensor:
-    # .float() is a no-op unless someone cast the model (model.to(bf16)); the C kernel reads fp32 scales
-    scales, bias = layer.scales.float(), None if layer.bias is None else layer.bias.float()
-    if layer.bits == 4:
-        return kernels.int4_matmul(x, layer.qweight, scales, layer.mins.float(), layer.group_size, bias)
-    return kernels.int8_matmul(x, layer.qweight, scales, layer.group_size, bias)
+def _kernel(isa: str) -> "Prepare":
+    return lambda layer: kernels.product(layer, isa)
 
 
 def _dequant_blockwise(layer, x: Tensor) -> Tensor:
@@ -65,14 +61,21 @@ def _dequant_blockwise(layer, x: Tensor) -> Tensor:
     return y
 
 
-RouteFn = Callable[[object, Tensor], Tensor]
-ROUTES: dict[str, RouteFn] = {"kernel": _kernel, "dequant": _dequant_blockwise}
+Product = Callable[[Tensor], Tensor]
+Prepare = Callable[[object], Product]  # a layer -> its product function for fp32 rows
+ROUTES: dict[str, Prepare] = {
+    "kernel": _kernel("avx2"),       # kernel.c, 8 lanes
+    "kernel512": _kernel("avx512"),  # kernel.c built for AVX-512, 16 lanes (where the CPU and its caps allow)
+    "dequant": lambda layer: (lambda x: _dequant_blockwise(layer, x)),
+}
+_ISA = {"kernel": "avx2", "kernel512": "avx512"}
 _CHOSEN: dict[RouteKey, str] = {}
 _TIMINGS: dict[RouteKey, dict[str, float]] = {}
+_GENERATION = [0]  # bumped whenever decisions change, so layers drop the products they prepared
 
 
 def available(name: str) -> bool:
-    return name != "kernel" or kernels.load_kernels() is not None
+    return name not in _ISA or kernels.load_kernels(_ISA[name]) is not None
 
 
 def key_for(layer, rows: int) -> RouteKey:
@@ -89,7 +92,7 @@ def time_routes(layer, rows: int, reps: int = 5) -> dict[str, float]:
     No fp32 copy of the weight is made: that would double a quantised model's peak memory while it calibrates.
     """
     x = torch.randn(rows, layer.in_features)
-    fns = {name: (lambda fn=fn: fn(layer, x)) for name, fn in ROUTES.items() if available(name)}
+    fns = {name: (lambda fn=prepare(layer): fn(x)) for name, prepare in ROUTES.items() if available(name)}
     best = {name: float("inf") for name in fns}
     weights = (layer.qweight, layer.scales, layer.mins)
     for fn in fns.values():  # warm: caches, lazy builds
@@ -112,8 +115,8 @@ def _disk_key(key: RouteKey) -> str:
 
 def cache_path() -> Path:
     """One file per CPU signature and kernel build: a decision measured elsewhere is never reused here."""
-    build = "kernel" if kernels.load_kernels() is not None else "torch"
-    return kernels.cache_dir() / f"quant-routes-{current_signature().key()}-{build}-{kernels.source_key()}.json"
+    builds = "-".join(isa for isa in ("avx2", "avx512") if kernels.load_kernels(isa) is not None) or "torch"
+    return kernels.cache_dir() / f"quant-routes-{current_signature().key()}-{builds}-{kernels.source_key()}.json"
 
 
 def _load_disk() -> dict[str, dict]:
@@ -153,11 +156,13 @@ def set_route(key: RouteKey, name: str) -> None:
     if name not in ROUTES:
         raise ValueError(f"unknown quantised route {name!r} (known: {', '.join(ROUTES)})")
     _CHOSEN[key] = name
+    _GENERATION[0] += 1
 
 
 def clear_routes() -> None:
     _CHOSEN.clear()
     _TIMINGS.clear()
+    _GENERATION[0] += 1
 
 
 def route_table() -> list[dict]:
@@ -165,8 +170,25 @@ def route_table() -> list[dict]:
     return [{**asdict(key), "route": _CHOSEN[key], "seconds": _TIMINGS.get(key, {})} for key in _CHOSEN]
 
 
+def _addresses(buffers: dict) -> tuple[int, int, int]:
+    bias = buffers.get("bias")
+    return buffers["qweight"].data_ptr(), buffers["scales"].data_ptr(), 0 if bias is None else bias.data_ptr()
+
+
 def run_route(layer, x: Tensor) -> Tensor:
-    name = choose_route(layer, x.shape[0])
-    if name == "kernel" and not available("kernel"):
-        name = "dequant"
-    return ROUTES[name](layer, x)
+    """``x @ W.T (+ bias)`` by the chosen route, whose prepared product the layer keeps per row count.
+
+    An entry is checked against the addresses of the layer's buffers (``model.to(...)`` and ``deepcopy`` give
+    new ones) and the decision generation (``set_route``/``clear_routes``), so a stale product never runs.
+    """
+    where = _addresses(layer._buffers)
+    cached = layer.prepared.get(x.shape[0])
+    if cached is None or cached[0] != _GENERATION[0] or cached[1] != where:
+        name = choose_route(layer, x.shape[0])
+        if not available(name):
+            name = "dequant"
+        if len(layer.prepared) > 64:  # prefill lengths vary: keep the table small
+            layer.prepared.clear()
+        cached = (_GENERATION[0], where, ROUTES[name](layer))
+        layer.prepared[x.shape[0]] = cached
+    return cached[2](x)
