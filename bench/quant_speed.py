@@ -3,7 +3,7 @@
     python bench/quant_speed.py [--new-tokens 32] [--repeats 3] [--no-hf] [--no-rss]
 
 Columns, measured interleaved in one process (the machine is shared: only ratios from one run mean anything):
-``hf`` (transformers fp32 from the same GGUF), ``seqlab+packed`` (fp32, oneDNN-packed, as ``seqlab chat`` runs),
+``hf`` (transformers fp32 from the same GGUF), ``seqlab`` (fp32 with the routes ``seqlab.accel`` measured for batch-1 decode, as ``seqlab chat`` runs it),
 ``gguf`` (``load_gguf(quant="gguf")``: the file's Q4_1/Q8_0 blocks), ``int8`` (groups of 32, the default) and ``int4`` (g64),
 the last two re-quantised from the dense model. Decode tok/s = ``new / (t(1 + new tokens) - t(1 token))`` at
 batch 1 and 8 (EOS off); TTFT on a 512-token prompt. Bytes per token: every weight a decode step reads (all
@@ -30,7 +30,7 @@ from real_models_smollm2 import _quiet, _time, chat_batch, long_prompt, runners 
 
 from seqlab.cli.chat import packaged_smollm2  # noqa: E402
 from seqlab.io import load_gguf  # noqa: E402
-from seqlab.accel import pack_for_inference  # noqa: E402
+from seqlab.accel import accelerate  # noqa: E402
 from seqlab.quant import QuantLinear, quantize  # noqa: E402
 from seqlab.runtime import atomic_write_text  # noqa: E402
 
@@ -44,8 +44,8 @@ def load(impl: str, path: Path):
     if impl == "gguf":
         return load_gguf(path, quant="gguf", with_tokenizer=False)[0]
     model = load_gguf(path, with_tokenizer=False)[0]
-    if impl == "seqlab+packed":
-        pack_for_inference(model, 1)
+    if impl == "seqlab":
+        accelerate(model, "decode", rows=1, dtype=None)
         return model
     return quantize(model, bits=8 if impl == "int8" else 4, group_size=None if impl == "int8" else 64)
 
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         rss_worker(args.rss_worker, path, args.ttft_len)
         return 0
     tok = _tokenizer(path)
-    impls = ([] if args.no_hf else ["hf"]) + ["seqlab+packed", "gguf", "int8", "int4"]
+    impls = ([] if args.no_hf else ["hf"]) + ["seqlab", "gguf", "int8", "int4"]
     models = {name: load(name, path) for name in impls}
     out: dict = {"threads": torch.get_num_threads(), "dram_read_gb_s": dram_read_gbs(), "decode": [], "ttft": []}
     print(f"DRAM read bandwidth {out['dram_read_gb_s']:.1f} GB/s", flush=True)
@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     for name, s in t.items():
         out["ttft"].append({"impl": name, "prompt_len": args.ttft_len, "ms": statistics.median(s) * 1e3})
         print(f"TTFT {args.ttft_len} {name:14s} {statistics.median(s) * 1e3:8.1f} ms", flush=True)
-    base = {r["batch"]: r["tok_s"] for r in out["decode"] if r["impl"] == ("hf" if "hf" in models else "seqlab+packed")}
+    base = {r["batch"]: r["tok_s"] for r in out["decode"] if r["impl"] == ("hf" if "hf" in models else "seqlab")}
     for r in out["decode"]:
         r["x_vs_base"] = r["tok_s"] / base[r["batch"]]
     del models
