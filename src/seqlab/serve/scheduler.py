@@ -28,6 +28,7 @@ import torch
 from seqlab.generate.engine import decode_step, prefill
 from seqlab.generate.sampling import LogitsProcessor, SamplingParams
 from seqlab.model.slot_cache import SlotKVCache
+from seqlab.runtime.memory import trim_heap
 from seqlab.serve.text import ReplyText
 
 _GREEDY = LogitsProcessor(SamplingParams(do_sample=False))
@@ -180,6 +181,8 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cv:
+                if not self.busy and not self._stop:
+                    trim_heap()  # idle: give back what the last burst's shapes left in the heap
                 while not self.busy and not self._stop:
                     self._cv.wait()
                 if self._stop:
