@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
+from seqlab.runtime.cpu import current_signature
 from seqlab.runtime.files import atomic_path
 
 _SOURCE = Path(__file__).with_name("kernel.c")
@@ -34,12 +35,7 @@ _STATE: dict[str, object] = {}
 
 
 def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith(("flags", "Features"))), "")
-    return set(line.partition(":")[2].split())
+    return set(current_signature().flags)  # the ISA flags runtime.cpu reads once from /proc/cpuinfo
 
 
 def isa_allowed(isa: str) -> str | None:
