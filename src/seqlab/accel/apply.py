@@ -23,6 +23,7 @@ from seqlab.runtime.cpu import current_signature, native_bf16
 from seqlab.accel.packed_linear import PackedLinear
 from seqlab.accel.routes import USES, Route, Use, builtin_routes
 from seqlab.accel.train_linear import TrainLinear
+from seqlab.accel.verify import pass_key, time_pass
 
 # bf16 changes the numbers (about 3 significant digits), so "auto" takes it only where it is clearly faster
 BF16_MIN_SPEEDUP = 1.25
@@ -54,8 +55,13 @@ class AccelPlan:
     dtype_totals_s: dict[str, float] = field(default_factory=dict)  # dtype -> summed best time of every layer
     calibration_s: float = 0.0  # time spent measuring now (0.0: everything came from the cache)
     signature: str = ""
+    # the whole-pass check (seqlab.accel.verify): seconds per pass over the converted layers, "dense" and "plan"
+    pass_s: dict[str, float] = field(default_factory=dict)
+    kept: bool = True  # False: the routes lost the whole-pass check and the model was left plain
 
     def route_for(self, in_features: int, out_features: int) -> str:
+        if not self.kept:
+            return "dense"
         for c in self.shapes.get(self.dtype, []):
             if (c.in_features, c.out_features) == (in_features, out_features):
                 return c.route
@@ -69,6 +75,10 @@ class AccelPlan:
             for c in self.shapes.get(dt, []):
                 times = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in c.timings_s.items())
                 lines.append(f"    {c.in_features:>6d} -> {c.out_features:<6d} x{c.count:<3d} {c.route:<20s} ({times})")
+        if self.pass_s:
+            verdict = "routes kept" if self.kept else "routes dropped: the model stays plain"
+            lines.append(f"  whole pass over the converted layers: plain {self.pass_s['dense'] * 1e3:.3f} ms, "
+                         f"routes {self.pass_s['plan'] * 1e3:.3f} ms; {verdict}")
         return "\n".join(lines)
 
 
@@ -157,14 +167,16 @@ def restore_plain(model: nn.Module) -> nn.Module:
 
 def accelerate(model: nn.Module, for_: str = "decode", *, rows: int | None = None,
                dtype: str | torch.dtype | None = "auto", routes: Sequence[Route] = (),
-               budget_s: float = DEFAULT_BUDGET_S, use_cache: bool = True) -> nn.Module:
+               budget_s: float = DEFAULT_BUDGET_S, use_cache: bool = True, verify: bool = True) -> nn.Module:
     """Convert ``model`` in place for ``for_`` (``decode``, ``prefill`` or ``train``) and return it.
 
     ``rows``: activation rows per product (decode: batch x beams; default per use). ``dtype``: ``"auto"`` (bf16
     where the CPU has it natively and it measures clearly faster; never for batch-1 decode), ``None`` (keep the
     model's), ``"fp32"``/``"bf16"``. For training the parameters stay fp32 and the plan's ``dtype`` is the autocast
-    dtype to use. ``routes``: extra :class:`~seqlab.accel.routes.Route`\\ s to consider (e.g. quantised ones). The
-    chosen plan is kept as ``model.accel_plan``.
+    dtype to use. ``routes``: extra :class:`~seqlab.accel.routes.Route`\\ s to consider (e.g. quantised ones).
+    ``verify``: for inference, also time one pass over the converted layers before and after, and leave the model
+    plain unless the routes win there too (:mod:`seqlab.accel.verify`). The chosen plan is kept as
+    ``model.accel_plan``.
     """
     restore_plain(model)
     if os.environ.get(DISABLE_ENV, "").strip() in ("0", "off", "false", "no"):
@@ -175,12 +187,32 @@ def accelerate(model: nn.Module, for_: str = "decode", *, rows: int | None = Non
         model.to(compute)
     by_name = {r.name: r for r in _all_routes(routes)}
     use = Use(for_, plan.rows, compute if for_ != "train" else torch.float32)
+    targets = [(name, by_name[plan.route_for(layer.in_features, layer.out_features)])
+               for name, layer in _linears(model)]
+    targets = [(name, route) for name, route in targets if route.name != "dense"]
+    checked = verify and use.inference and bool(targets)
+    if checked:
+        key = pass_key(use, [(*_shape(model.get_submodule(n)), r.name) for n, r in targets])
+        sig = current_signature()
+        plan.pass_s = dict(load_cache(sig).get(key, {})) if use_cache else {}
+        if not plan.pass_s:
+            plan.pass_s["dense"] = time_pass([model.get_submodule(n) for n, _ in targets], use)
+        elif fastest(plan.pass_s) == "dense":
+            targets = []  # a cached verdict against these routes: do not convert at all
     # names, not modules: each dense layer can be freed as soon as its replacement exists (peak ~ one layer)
-    for name, layer in _linears(model):
-        route = by_name[plan.route_for(layer.in_features, layer.out_features)]
-        if route.name == "dense":
-            continue
+    for name, route in targets:
         parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, route.convert(layer, use))
+        setattr(model.get_submodule(parent) if parent else model, child, route.convert(model.get_submodule(name), use))
+    if checked and "plan" not in plan.pass_s:
+        plan.pass_s["plan"] = time_pass([model.get_submodule(n) for n, _ in targets], use)
+        if use_cache:
+            plan.pass_s = dict(store_cache(sig, {key: plan.pass_s})[key])
+    if checked and fastest(plan.pass_s) == "dense":
+        restore_plain(model)
+        plan.kept = False
     model.accel_plan = plan
     return model
+
+
+def _shape(layer: nn.Module) -> tuple[int, int, bool]:
+    return layer.in_features, layer.out_features, getattr(layer, "bias", None) is not None

@@ -28,7 +28,7 @@ import torch
 from seqlab.generate.engine import decode_step, prefill
 from seqlab.generate.sampling import LogitsProcessor, SamplingParams
 from seqlab.model.slot_cache import SlotKVCache
-from seqlab.runtime.memory import trim_heap
+from seqlab.runtime.memory import map_large_blocks, trim_heap
 from seqlab.serve.text import ReplyText
 
 _GREEDY = LogitsProcessor(SamplingParams(do_sample=False))
@@ -155,6 +155,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ worker thread
     def start(self) -> None:
+        map_large_blocks()  # a long-running loop of changing shapes: large buffers must not fragment the heap
         self._thread = threading.Thread(target=self._loop, name="seqlab-engine", daemon=True)
         self._thread.start()
 
