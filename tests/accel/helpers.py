@@ -1,7 +1,11 @@
-"""Shared by the accelerator tests: a tiny model, and greedy-token equality that rests on a margin."""
+"""Shared by the accelerator tests: a tiny model, a deliberately slow route, and greedy-token equality that rests
+on a margin."""
+import time
+
 import torch
 
 from seqlab.config import ModelConfig
+from seqlab.accel.routes import PackedRoute
 from seqlab.model import build_model
 
 
@@ -10,6 +14,26 @@ def tiny_model(tie: bool = True, bias: bool = False, seed: int = 0):
     cfg = ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64,
                       tie_embeddings=tie, bias=bias)
     return build_model(cfg).eval()
+
+
+class SleepyPacked(PackedRoute):
+    """The packed route with a sleep in every product of the layers it converts; ``converted`` counts them."""
+
+    name = "sleepy-packed"
+    sleep_s = 0.05
+    converted = 0
+
+    def convert(self, layer, use):
+        type(self).converted += 1
+        packed = super().convert(layer, use)
+        inner = packed.forward
+
+        def slow(x):
+            time.sleep(self.sleep_s)
+            return inner(x)
+
+        packed.forward = slow
+        return packed
 
 
 def assert_same_greedy_tokens(reference_model, prompt_len: int, expected: torch.Tensor, got: torch.Tensor,

@@ -1,7 +1,6 @@
 """accelerate(): same numbers as the plain model (per-dtype tolerances), choices by measurement, cache per CPU."""
 import copy
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from seqlab.cli import build_parser, main
 from seqlab.generate import generate
 from seqlab.io import save_pretrained
 
-from .helpers import tiny_model
+from .helpers import SleepyPacked, tiny_model
 
 # fp32 routes change only the summation order: logits (|x| ~ 1) agree to ~1e-6; 1e-5 leaves room for any ISA
 FP32_ATOL = 1e-5
@@ -24,29 +23,10 @@ FP32_ATOL = 1e-5
 BF16_ATOL = 5e-2
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.delenv(accel_apply.DISABLE_ENV, raising=False)
-
-
-class SlowPacked(PackedRoute):
-    """The packed route with a sleep per product: calibration must never pick it."""
+class SlowPacked(SleepyPacked):
+    """A sleep of 50 ms per product, far above a 64-wide product's time even on a busy machine: never chosen."""
 
     name = "slow-packed"
-    calls = 0
-
-    def convert(self, layer, use):
-        packed = super().convert(layer, use)
-        inner = packed.forward
-
-        def slow(x):
-            SlowPacked.calls += 1
-            time.sleep(0.05)  # far above a 64-wide product's time even on a machine shared by many jobs
-            return inner(x)
-
-        packed.forward = slow
-        return packed
 
 
 def _ids(batch=3, length=9):
@@ -106,7 +86,7 @@ def test_a_route_made_slow_is_not_chosen():
 def _check_slow_route_refused():
     model = tiny_model()
     plan = plan_for(model, "decode", rows=1, dtype="fp32", routes=[SlowPacked()], budget_s=0.5)
-    assert SlowPacked.calls > 0  # it was tried (and then timed, or dropped as hopeless after its first call)
+    assert SlowPacked.converted > 0  # it was tried (and then timed, or dropped as hopeless after its first call)
     for choice in plan.shapes["fp32"]:
         assert choice.timings_s.get("slow-packed", float("inf")) > choice.timings_s["dense"]
         assert choice.route != "slow-packed"

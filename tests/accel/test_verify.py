@@ -1,5 +1,4 @@
 """The whole-pass check: routes that win per shape but lose over the model's products in order are dropped."""
-import time
 from collections import Counter
 
 import pytest
@@ -9,36 +8,18 @@ from torch import nn
 from seqlab.accel import PackedLinear, accelerate
 from seqlab.accel import apply as accel_apply
 from seqlab.accel import calibrate
-from seqlab.accel.routes import PackedRoute, Use
+from seqlab.accel.routes import Use
 from seqlab.accel.verify import time_pass
 from seqlab.runtime.cpu import current_signature
 
-from .helpers import tiny_model
+from .helpers import SleepyPacked, tiny_model
 
 
-@pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv(calibrate.CACHE_ENV, str(tmp_path / "cache"))
-    monkeypatch.delenv(accel_apply.DISABLE_ENV, raising=False)
-
-
-class Trap(PackedRoute):
-    """Packed products that sleep on every call: fast on paper (the seeded cache says so), slow in the pass."""
+class Trap(SleepyPacked):
+    """Fast on paper (the seeded cache says so), 5 ms per product in the whole pass."""
 
     name = "trap"
-    converted = 0
-
-    def convert(self, layer, use):
-        Trap.converted += 1
-        packed = super().convert(layer, use)
-        inner = packed.forward
-
-        def slow(x):
-            time.sleep(0.005)
-            return inner(x)
-
-        packed.forward = slow
-        return packed
+    sleep_s = 0.005
 
 
 def _seed_cache_in_favour_of(route: str, model: nn.Module, use: Use) -> None:
