@@ -168,3 +168,24 @@ def test_a_failing_request_fails_alone(model):
     assert good.generated == _alone(model, prompts[0], 10)
     assert evs[-1].error == "RuntimeError: detokeniser exploded" and len(broken.generated) == 3
     assert gone.cancelled and engine.cache.active == 0
+
+
+def test_products_see_few_row_counts_and_pads_change_nothing(model):
+    """Prefill chunks are padded to a multiple of PREFILL_BUCKET (or to the context's end), so the linear products
+    see a handful of row counts, not every prompt length; the replies still equal generate() alone."""
+    seen = set()
+    hooks = [m.register_forward_pre_hook(lambda _, args: seen.add(args[0].shape[:-1].numel()))
+             for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    try:
+        lengths = [3, 17, 40, 70, 33, 9]
+        prompts = _prompts(lengths, seed=4)
+        reqs = [Request(p, 6, lambda e: None, TOK, temperature=0) for p in prompts]
+        engine = Engine(model, max_batch=4, max_queue=8, context=96, prefill_chunk=64)
+        _run_staggered(engine, reqs, arrivals=[0, 0, 1, 2, 2, 5])
+    finally:
+        for h in hooks:
+            h.remove()
+    assert all(r.generated == _alone(model, p, 6) for p, r in zip(prompts, reqs))
+    decode_rows = set(range(1, engine.max_batch + 1))
+    assert seen - decode_rows <= {32, 64}, sorted(seen)  # prefill widths: multiples of 32 (70 = 64 + a padded 6)
+    assert seen & {32, 64}

@@ -4,7 +4,11 @@ One ``step`` of the engine is:
 
 1. drop cancelled requests (their KV slot is freed at once);
 2. prefill waiting requests, at most ``prefill_chunk`` prompt tokens in all, in their own one-row cache; a long prompt
-   is split over several steps, so the running requests never wait for more than one chunk; a finished prefill
+   is split over several steps, so the running requests never wait for more than one chunk. Each chunk is padded on
+   the right to a multiple of ``PREFILL_BUCKET`` tokens (causal attention: the pads change nothing before them, and
+   the cache is cropped back), so the products see a few row counts instead of every length from 1 to the chunk
+   size: each new row count costs oneDNN a new primitive, and a server fed every length grows without end. A
+   finished prefill
    samples the request's first token and copies its K/V into a free slot of the shared ``SlotKVCache``;
 3. one decode step over every live slot (each at its own length), then each request picks its next token with its
    own sampling parameters and its own seeded ``torch.Generator``, so batching never changes what a seeded request
@@ -32,6 +36,7 @@ from seqlab.runtime.memory import map_large_blocks, trim_heap
 from seqlab.serve.text import ReplyText
 
 _GREEDY = LogitsProcessor(SamplingParams(do_sample=False))
+PREFILL_BUCKET = 32
 _ids = itertools.count()
 
 
@@ -227,9 +232,13 @@ class Engine:
         req = self.prefilling
         n = len(req.prompt_ids)
         take = min(budget, n - self.prefilled)
+        width = min(-(-take // PREFILL_BUCKET) * PREFILL_BUCKET, self.context - self.prefilled)
         try:
-            ids = torch.tensor([req.prompt_ids[self.prefilled : self.prefilled + take]], device=self.device)
-            logits = prefill(self.model, ids, self.scratch)
+            chunk = req.prompt_ids[self.prefilled : self.prefilled + take]
+            ids = torch.tensor([chunk + chunk[-1:] * (width - take)], device=self.device)
+            logits = prefill(self.model, ids, self.scratch, last_index=torch.tensor([take - 1], device=self.device))
+            if width > take:
+                self.scratch.crop(self.prefilled + take)  # drop the pads' keys and values
             self.prefilled += take
             if self.prefilled < n:
                 return take
