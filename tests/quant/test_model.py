@@ -38,6 +38,22 @@ def test_group_size_not_dividing_names_the_layer():
     assert type(model.stack.blocks[0].attn.qkv) is not QuantLinear  # nothing changed before the error
 
 
+def test_decoding_never_dequantises_a_whole_table(monkeypatch):
+    """new_cache, prefill and decode steps read the quantised rows they need; a whole-table dequantisation (the
+    embedding's ``weight`` property: 113 MiB for SmolLM2's vocabulary) would be a transient as big as the model."""
+    model = quantize(tiny_decoder(), bits=4, group_size=32)
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("a quantised layer was dequantised whole")
+
+    monkeypatch.setattr(QuantLinear, "dequantize", refuse)
+    with torch.inference_mode():
+        cache = model.new_cache(1, 16)
+        assert cache.k[0].dtype == torch.float32
+        token = prefill(model, torch.tensor([[3, 5, 7]]), cache).argmax(-1)
+        decode_step(model, token, cache)
+
+
 def _greedy_with_cache(model, prompt, n):
     cache = model.new_cache(prompt.shape[0], 64)
     logits = [prefill(model, prompt, cache)]

@@ -11,6 +11,7 @@ else. The model never knows which objective it serves.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
@@ -65,7 +66,8 @@ class Stack(nn.Module):
 
     def new_cache(self, batch_size: int, max_len: int, dtype=None, device=None) -> KVCache:
         self._check_length(max_len)
-        p = self.embed.tok.weight
+        # dtype and device from a stored tensor: a swapped-in embedding may compute ``weight`` (a whole-table copy)
+        p = next(t for t in itertools.chain(self.parameters(), self.buffers()) if t.is_floating_point())
         return KVCache(len(self.blocks), batch_size, self.cfg.n_kv_heads, self.cfg.head_dim, max_len,
                        dtype=dtype or p.dtype, device=device or p.device)
 
