@@ -187,12 +187,14 @@ def accelerate(model: nn.Module, for_: str = "decode", *, rows: int | None = Non
         model.to(compute)
     by_name = {r.name: r for r in _all_routes(routes)}
     use = Use(for_, plan.rows, compute if for_ != "train" else torch.float32)
-    targets = [(name, by_name[plan.route_for(layer.in_features, layer.out_features)])
-               for name, layer in _linears(model)]
-    targets = [(name, route) for name, route in targets if route.name != "dense"]
+    # (name, route, shape): names, not modules, so that no list keeps a replaced dense layer alive
+    shapes = {name: (m.in_features, m.out_features, m.bias is not None) for name, m in _linears(model)}
+    chosen = [(name, by_name[plan.route_for(i, o)], (i, o, b)) for name, (i, o, b) in shapes.items()]
+    chosen = [c for c in chosen if c[1].name != "dense"]
+    targets = [(name, route) for name, route, _ in chosen]
     checked = verify and use.inference and bool(targets)
     if checked:
-        key = pass_key(use, [(*_shape(model.get_submodule(n)), r.name) for n, r in targets])
+        key = pass_key(use, [(*shape, route.name) for _, route, shape in chosen])
         sig = current_signature()
         plan.pass_s = dict(load_cache(sig).get(key, {})) if use_cache else {}
         if not plan.pass_s:
@@ -212,7 +214,3 @@ def accelerate(model: nn.Module, for_: str = "decode", *, rows: int | None = Non
         plan.kept = False
     model.accel_plan = plan
     return model
-
-
-def _shape(layer: nn.Module) -> tuple[int, int, bool]:
-    return layer.in_features, layer.out_features, getattr(layer, "bias", None) is not None

@@ -45,7 +45,8 @@ def map_large_blocks(threshold_bytes: int = 1 << 20) -> bool:
     Why: glibc raises its mmap threshold each time a large mapped block is freed, after which large transient
     buffers (a step's logits, oneDNN's scratch space) come from the heap and leave holes that ``malloc_trim``
     cannot return. A server that steps thousands of batches of changing shapes then grows without leaking
-    (docs/serving.md has the measurement). Fixing the threshold also turns that adjustment off. Process-wide; a no-op (False) where the C library has no ``mallopt``.
+    (docs/serving.md has the measurement). Fixing the threshold also turns that adjustment off. Process-wide; a
+    no-op (False) where the C library has no ``mallopt``.
     """
     fn = _libc("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
     return bool(fn(_M_MMAP_THRESHOLD, int(threshold_bytes))) if fn is not None else False

@@ -8,8 +8,8 @@ One ``step`` of the engine is:
    the right to a multiple of ``PREFILL_BUCKET`` tokens (causal attention: the pads change nothing before them, and
    the cache is cropped back), so the products see a few row counts instead of every length from 1 to the chunk
    size: each new row count costs oneDNN a new primitive, and a server fed every length grows without end. A
-   finished prefill
-   samples the request's first token and copies its K/V into a free slot of the shared ``SlotKVCache``;
+   finished prefill samples the request's first token and copies its K/V into a free slot of the shared
+   ``SlotKVCache``;
 3. one decode step over every live slot (each at its own length), then each request picks its next token with its
    own sampling parameters and its own seeded ``torch.Generator``, so batching never changes what a seeded request
    draws; finished requests leave and free their slot.
