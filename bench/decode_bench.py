@@ -28,8 +28,6 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from seqlab.accel import PackedLinear, accelerate
 from seqlab.config import ModelConfig
 from seqlab.generate import GenerationConfig, generate_output
@@ -77,6 +75,10 @@ def build_models(bc: BenchConfig, dtype: torch.dtype, with_hf: bool):
     """A random Llama-style model as HF ``LlamaForCausalLM`` and the same weights imported into seqlab."""
     torch.manual_seed(bc.seed)
     if with_hf:
+        # imported here, not at the top: importing transformers adds about 145 MiB of RSS to every process that
+        # imports this module (quant_speed's peak-RSS workers of the seqlab columns among them)
+        from transformers import LlamaConfig, LlamaForCausalLM
+
         hcfg = LlamaConfig(vocab_size=bc.vocab_size, hidden_size=bc.d_model, intermediate_size=bc.d_ff,
                            num_hidden_layers=bc.n_layers, num_attention_heads=bc.n_heads,
                            num_key_value_heads=bc.n_kv_heads, max_position_embeddings=4096, rms_norm_eps=1e-5,

@@ -9,7 +9,9 @@ the last two re-quantised from the dense model. Decode tok/s = ``new / (t(1 + ne
 batch 1 and 8 (EOS off); TTFT on a 512-token prompt. Bytes per token: every weight a decode step reads (all
 linear layers incl. the LM head, at their stored width) and that over the step time, against a measured DRAM
 read bandwidth (a 512 MiB ``sum``). Peak RSS: each implementation in its own subprocess (VmHWM), load + TTFT
-prompt + 32 decode steps. llama-cpp-python is a column when it is installed and runs.
+prompt + 32 decode steps (the larger of the load window and the request's window; both are written too). The
+seqlab workers import no ``transformers`` (about 145 MiB of RSS that a seqlab process does not have).
+llama-cpp-python is a column when it is installed and runs.
 Writes ``bench/results/quant_speed.json``.
 """
 from __future__ import annotations
@@ -82,14 +84,27 @@ def llama_cpp_column(path: Path, new_tokens: int) -> dict:
         return {"status": f"failed: {type(e).__name__}: {e}"}
 
 
+def _status_mib(field: str) -> float:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
 def rss_worker(impl: str, path: Path, ttft_len: int) -> None:
+    """Peak RSS of load + tokenizer + a ``ttft_len`` prefill and 32 decode steps, in MiB.
+
+    Two windows, because ``generate_output`` starts a new VmHWM window per request (``seqlab.eval.timing``):
+    ``load`` is the process's peak up to the end of loading, read before generating; ``generate`` is the peak
+    of the request. ``peak_rss_mib`` is the larger, the whole run's peak.
+    """
     model = load(impl, path)
     tok = _tokenizer(path)
     ids = long_prompt(tok, ttft_len)
+    load_peak, loaded = _status_mib("VmHWM"), _status_mib("VmRSS")
     fn = runners(None if impl == "hf" else model, model if impl == "hf" else None, ids, torch.ones_like(ids))
     _time(fn["hf" if impl == "hf" else "seqlab"](32))
-    hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
-    print(json.dumps({"peak_rss_mib": int(hwm.split()[1]) / 1024}))
+    gen_peak = _status_mib("VmHWM")
+    print(json.dumps({"peak_rss_mib": max(load_peak, gen_peak), "load_peak_mib": load_peak, "loaded_mib": loaded,
+                      "generate_peak_mib": gen_peak}))
 
 
 def _tokenizer(path: Path):
@@ -163,9 +178,12 @@ def main(argv=None) -> int:
         for impl in (args.rss_impls.split(",") if args.rss_impls else impls):
             res = subprocess.run([sys.executable, __file__, "--rss-worker", impl, "--ttft-len", str(args.ttft_len)],
                                  capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-            mib = json.loads(res.stdout.strip().splitlines()[-1])["peak_rss_mib"] if res.returncode == 0 else None
+            row = json.loads(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 else {}
+            mib = row.get("peak_rss_mib")
             out["peak_rss_mib"][impl] = mib
-            print(f"peak RSS {impl:14s} {mib} MiB" + ("" if mib else f" (failed: {res.stderr[-300:]})"), flush=True)
+            out.setdefault("peak_rss_windows_mib", {})[impl] = {k: v for k, v in row.items() if k != "peak_rss_mib"}
+            print(f"peak RSS {impl:14s} {mib} MiB {out['peak_rss_windows_mib'][impl]}"
+                  + ("" if mib else f" (failed: {res.stderr[-300:]})"), flush=True)
     atomic_write_text(args.out, json.dumps(out, indent=2) + "\n")
     return 0
 

@@ -23,6 +23,15 @@ from seqlab.runtime import CheckpointError
 from seqlab.model import build_model
 
 
+def _meta_cat(parts: list[Tensor]) -> Tensor:
+    """``torch.cat(parts)`` for ``meta`` tensors without torch's meta kernel: that one is Python and imports
+    ``torch._dynamo`` (and sympy) on first use, about 65 MiB of RSS a GGUF load with ``quant="gguf"`` paid."""
+    rest = {tuple(t.shape[1:]) for t in parts}
+    if len(rest) != 1 or len({t.dtype for t in parts}) != 1:
+        raise CheckpointError(f"cannot concatenate tensors of shapes {[tuple(t.shape) for t in parts]}")
+    return torch.empty((sum(t.shape[0] for t in parts), *rest.pop()), dtype=parts[0].dtype, device="meta")
+
+
 class _Tensors:
     """HF tensors to be consumed by name; remembers which were used."""
 
@@ -42,7 +51,10 @@ class _Tensors:
         return self.t[key]
 
     def cat(self, *names: str) -> Tensor:
-        return torch.cat([self.take(n) for n in names], dim=0)
+        parts = [self.take(n) for n in names]
+        if all(t.is_meta for t in parts):  # shape-only stand-ins (layers kept quantised): the shape is all we need
+            return _meta_cat(parts)
+        return torch.cat(parts, dim=0)
 
     def leftover(self, ignore: Callable[[str], bool]) -> list[str]:
         return sorted(k for k in self.t if k not in self.used and not ignore(k))

@@ -84,6 +84,9 @@ class Rotary(nn.Module):
 
     def _table(self, n: int, device=None) -> tuple[Tensor, Tensor]:
         d = self.head_dim
+        probe = torch.empty(0, device=device)
+        if probe.is_meta:  # a meta build (quantised loads) has no values; torch's meta kernels here are Python
+            return torch.empty(n, d, device=probe.device), torch.empty(n, d, device=probe.device)
         inv_freq = 1.0 / (self.base ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
         freqs = torch.arange(n, dtype=torch.int64, device=device).float()[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from seqlab.model.layers import Rotary
 from seqlab.quant.linear import QuantEmbedding, QuantLinear
@@ -129,15 +130,26 @@ def materialize(model: nn.Module) -> nn.Module:
         for name, p in m.named_parameters(recurse=False):
             shared.setdefault(id(p), []).append((m, name))
     for m in model.modules():
-        if not isinstance(m, QuantLinear) and any(t.is_meta for t in [*m.parameters(False), *m.buffers(False)]):
-            m.to_empty(device="cpu", recurse=False)
-        if isinstance(m, Rotary):
-            m.cos, m.sin = m._table(m.cos.shape[0])
+        if isinstance(m, Rotary):  # computed, not loaded: made on CPU directly
+            m.cos, m.sin = m._table(m.cos.shape[0], "cpu")
+        if not isinstance(m, QuantLinear):
+            _empty_on_cpu(m)
     for owners in shared.values():  # to_empty per module gives each alias its own tensor: tie them again
         first = getattr(*owners[0])
         for m, name in owners[1:]:
             setattr(m, name, first)
     return model
+
+
+def _empty_on_cpu(m: nn.Module) -> None:
+    """``m.to_empty(device="cpu", recurse=False)`` by plain ``torch.empty``: ``to_empty`` runs torch's Python
+    ``empty_like`` reference for ``meta`` tensors, which imports sympy (about 30 MiB of RSS, for good)."""
+    for name, t in list(m._parameters.items()):
+        if t is not None and t.is_meta:
+            m._parameters[name] = nn.Parameter(torch.empty(t.shape, dtype=t.dtype), t.requires_grad)
+    for name, t in list(m._buffers.items()):
+        if t is not None and t.is_meta:
+            m._buffers[name] = torch.empty(t.shape, dtype=t.dtype)
 
 
 def tied_aliases(model: nn.Module) -> set[str]:
@@ -148,6 +160,22 @@ def tied_aliases(model: nn.Module) -> set[str]:
     return aliases
 
 
+class _NoMetaInit(TorchFunctionMode):
+    """Skips the weight initialisers on ``meta`` tensors (they have no values to fill). Torch's meta kernel of
+    ``normal_`` is Python and imports ``torch._dynamo`` and sympy on first use: about 65 MiB of RSS that a
+    quantised load would otherwise keep for the life of the process."""
+
+    _INIT = frozenset({"normal_", "uniform_", "trunc_normal_", "zero_", "zeros_", "ones_", "fill_", "constant_",
+                       "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_"})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else kwargs.get("tensor", kwargs.get("self"))  # nn.init passes ``tensor=``
+        if getattr(func, "__name__", None) in self._INIT and isinstance(first, torch.Tensor) and first.is_meta:
+            return first
+        return func(*args, **kwargs)
+
+
 def build_meta(build, cfg) -> nn.Module:
-    with torch.device("meta"):
+    with torch.device("meta"), _NoMetaInit():
         return build(cfg)
