@@ -33,7 +33,7 @@ COMMAND_START = ("seqlab ", "torchrun ", "python ", "make ", "pip ", "curl ")
 
 TRAIN_SHRINK = ["--preset", "tiny", "--max-steps", "2", "--batch-size", "2", "--seq-len", "128", "--eval-batches", "1",
                 "--no-progress"]
-NNQS_SHRINK = ["--steps", "3", "--samples", "2000", "--no-cc", "--quiet"]
+NNQS_SHRINK = ["--steps", "3", "--samples", "2000", "--no-cc", "--quiet", "--warm-start-steps", "20"]
 
 # (pattern on the command, arguments appended); the first match wins
 SHRINK: list[tuple[str, list[str]]] = [

@@ -19,11 +19,14 @@ from seqlab.nnqs.references import prepare
 from seqlab.nnqs.sampler import SamplerConfig
 from seqlab.nnqs.vmc import HARTREE_TO_MHA, VMCConfig
 from seqlab.nnqs.vmc_checkpoint import check_new_run, existing_run
+from seqlab.nnqs.warm_start import METHODS as WARM_START_METHODS, WarmStartConfig, target_state
 from seqlab.runtime import atomic_write_text, progress as progress_bar
 from seqlab.runtime.dist import barrier, init_distributed, set_cpu_threads, shutdown
 from seqlab.runtime.files import ensure_writable_dir
 from seqlab.runtime.rundir import claim_run_dir
 from seqlab.runtime.signals import GracefulStop
+
+ANNEAL_WITHOUT_WARM_START = VMCConfig.anneal
 
 EPILOG = """\
 Expected run time with the defaults (measured on 2 shared CPU cores, 1 thread; see docs/nnqs.md):
@@ -59,12 +62,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=400, help="VMC optimizer steps (default 400)")
     p.add_argument("--samples", type=float, default=1e10,
                    help="samples per step N_s (default 1e10; cost grows with the *unique* samples only)")
+    p.add_argument("--samples-final", type=float, default=None,
+                   help="N_s at the last step: grows geometrically from --samples (default: constant N_s)")
     p.add_argument("--local-energy", choices=("exact", "sample-space"), default="exact",
                    help="exact (unbiased) or the sample-space approximation of NNQS-Transformer/NAQS (biased)")
     p.add_argument("--lr", type=float, default=5e-3, help="peak AdamW learning rate (warmup, cosine decay)")
     p.add_argument("--warmup", type=int, default=20, help="linear warmup steps (>= 0)")
-    p.add_argument("--anneal", type=float, default=0.07,
-                   help="entropy annealing strength (fraction of the diagonal energy spread, >= 0); 0 disables")
+    p.add_argument("--warm-start", choices=WARM_START_METHODS, default="none",
+                   help="fit this PySCF state before VMC (cisd or hf; default none = random start with entropy "
+                        "annealing)")
+    p.add_argument("--warm-start-steps", type=int, default=WarmStartConfig.steps,
+                   help=f"supervised steps of the warm start (default {WarmStartConfig.steps})")
+    p.add_argument("--anneal", type=float, default=None,
+                   help="entropy annealing strength (fraction of the diagonal energy spread, >= 0); 0 disables "
+                        "(default 0 after a warm start, 0.07 with --warm-start none)")
     p.add_argument("--sr", action="store_true", help="stochastic reconfiguration (minSR; slow, small systems)")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -119,11 +130,13 @@ def check_flags(args: argparse.Namespace) -> int:
         raise ValueError(f"--samples must be a positive integer, got {args.samples:g}")
     for flag, value, low in (("--warmup", args.warmup, 0), ("--anneal", args.anneal, 0), ("--steps", args.steps, 1),
                              ("--max-batch", args.max_batch, 1), ("--checkpoint-every", args.checkpoint_every, 1),
-                             ("--threads", args.threads, 1)):
+                             ("--threads", args.threads, 1), ("--warm-start-steps", args.warm_start_steps, 0)):
         if value is not None and not value >= low:  # `not >=` also catches NaN
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     if not args.lr > 0:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
+    if args.anneal is None:  # a warm-started state already holds the excitations annealing would keep alive
+        args.anneal = 0.0 if args.warm_start != "none" else ANNEAL_WITHOUT_WARM_START
     return samples
 
 
@@ -147,7 +160,7 @@ def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, a
         "steps": args.steps, "samples": samples, "local_energy": args.local_energy, "seed": args.seed,
         "world_size": world_size, "n_parameters": sum(p.numel() for p in res.wavefunction.parameters()),
         "ansatz": ansatz.__dict__, "lr": args.lr, "anneal": args.anneal, "sr": args.sr,
-        "kv_cache": not args.no_cache, "wall_time_s": wall_s, "vmc_time_s": res.wall_time_s,
+        "warm_start": res.warm_start, "kv_cache": not args.no_cache, "wall_time_s": wall_s, "vmc_time_s": res.wall_time_s,
         "reference_time_s": t_ref, "notes": refs.notes,
     }
 
@@ -179,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
                         checkpoint_every=args.checkpoint_every,
                         sampler=SamplerConfig(use_cache=not args.no_cache, max_batch=args.max_batch))
         ansatz = AnsatzConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
+        warm = target_state(args.warm_start, system.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
         bar = progress_bar(total=args.steps, desc=f"nnqs {mol.name}", unit="step",
                            enabled=dist.is_main and not args.quiet)
         for note in refs.notes if dist.is_main and not args.quiet else ():
@@ -195,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         with bar, GracefulStop() as stop:
             res = run_vmc(ham, cfg, ansatz, out, dist, e_ref=refs.e_fci, resume=args.resume, callback=show,
                           title=f"{mol.name} / {mol.basis}", references=levels, tensorboard=args.tensorboard,
-                          stop=stop)
+                          stop=stop, warm_start=warm, warm_start_cfg=WarmStartConfig(steps=args.warm_start_steps))
         if res.stopped_at is not None:
             return stopped(res, out, stop, dist.is_main)
         if not dist.is_main:

@@ -20,6 +20,7 @@ from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
 from seqlab.nnqs.evaluate import evaluate_energy
 from seqlab.nnqs.hamiltonian import Hamiltonian
 from seqlab.nnqs.vmc import HARTREE_TO_MHA, StepStats, VMCConfig, build_sector, initial_temperature, vmc_step
+from seqlab.nnqs.warm_start import TargetState, WarmStartConfig, fit
 from seqlab.nnqs.vmc_checkpoint import LOG, check_new_run, checkpoint_store, clean_stale, load_checkpoint, \
     save_checkpoint
 from seqlab.runtime.dist import DistInfo, any_rank, barrier
@@ -37,6 +38,7 @@ class RunResult:
     wall_time_s: float
     stopped_at: int | None = None  # completed steps when a signal stopped the run
     checkpoint: Path | None = None  # the last checkpoint written or loaded
+    warm_start: dict | None = None  # the supervised fit's losses and overlap (fresh runs with a target only)
 
 
 def build_optimizer(wf: Wavefunction, cfg: VMCConfig) -> torch.optim.Optimizer:
@@ -51,11 +53,13 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
             dist: DistInfo | None = None, e_ref: float | None = None, resume: bool = False,
             callback: Callable[[StepStats], None] | None = None, title: str = "NNQS", *,
             references: dict[str, float | None] | None = None, tensorboard: str | Path | None = None,
-            stop: GracefulStop | None = None) -> RunResult:
+            stop: GracefulStop | None = None, warm_start: TargetState | None = None,
+            warm_start_cfg: WarmStartConfig | None = None) -> RunResult:
     """Train a fresh (or resumed) wavefunction for ``cfg.steps`` steps, then evaluate its energy.
 
     ``e_ref`` (FCI) adds ``error_mha`` to every row; ``references`` ({"HF": e, "CCSD(T)": e, ...}) are drawn as
-    levels in the plots. When ``stop.requested`` turns true (a signal), the run finishes its step, checkpoints it
+    levels in the plots. A fresh run with ``warm_start`` first fits that state (``warm_start.fit``; a resumed run
+    has its parameters already). When ``stop.requested`` turns true (a signal), the run finishes its step, checkpoints it
     and returns with ``stopped_at`` set and no final evaluation. ``callback(stats)`` follows every step.
     """
     dist = dist or DistInfo()
@@ -76,6 +80,9 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
         if checkpoint is not None:
             start_step, t0 = load_checkpoint(store, checkpoint, wf, opt)
     t_start = time.perf_counter()
+    warm = None
+    if warm_start is not None and checkpoint is None:  # same seed, same data: every rank fits the same parameters
+        warm = fit(wf, warm_start, warm_start_cfg or WarmStartConfig(), progress=dist.is_main and callback is not None)
     if t0 is None:
         t0 = initial_temperature(wf, ham, cfg, dist)
     sector = build_sector(ham, cfg, dist)
@@ -107,9 +114,9 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     if out is not None and dist.is_main and records:
         plot_convergence(log, out, references or {}, e_ref, title)
     if stopped_at is not None:
-        return RunResult(wf, records, None, time.perf_counter() - t_start, stopped_at, checkpoint)
+        return RunResult(wf, records, None, time.perf_counter() - t_start, stopped_at, checkpoint, warm)
     final = evaluate_energy(wf, ham, cfg, dist)
-    return RunResult(wf, records, final, time.perf_counter() - t_start, None, checkpoint)
+    return RunResult(wf, records, final, time.perf_counter() - t_start, None, checkpoint, warm)
 
 
 def plot_convergence(log: Logbook, out: Path, references: dict[str, float | None], e_ref: float | None,

@@ -40,6 +40,9 @@ HARTREE_TO_MHA = 1000.0
 class VMCConfig:
     steps: int = 400
     samples: int = 10**10  # N_s per step, over all ranks (only unique configurations cost compute)
+    # N_s grows geometrically from ``samples`` to this at the last step: the rare configurations whose amplitudes
+    # decide the last mHa are seen late, when they matter, at the price of more unique samples only then
+    samples_final: int | None = None
     lr: float = 5e-3
     warmup: int = 20
     min_lr_ratio: float = 0.05  # cosine decay to lr * min_lr_ratio at the last step
@@ -68,6 +71,8 @@ class VMCConfig:
     def __post_init__(self) -> None:
         if self.local_energy not in MODES:
             raise ValueError(f"VMCConfig.local_energy: {self.local_energy!r} not in {MODES}")
+        if self.samples_final is not None and self.samples_final < self.samples:
+            raise ValueError(f"VMCConfig.samples_final: must be >= samples ({self.samples}), got {self.samples_final}")
         for name, low in (("steps", 1), ("samples", 1), ("checkpoint_every", 1), ("keep_last", 0), ("warmup", 0),
                           ("anneal", 0)):
             if not getattr(self, name) >= low:  # `not >=` also refuses NaN
@@ -81,6 +86,14 @@ class VMCConfig:
 def temperature_at(cfg: VMCConfig, step: int, t0: float) -> float:
     end = cfg.anneal_frac * cfg.steps
     return t0 * max(0.0, 1.0 - step / end) if end > 0 else 0.0
+
+
+def samples_at(cfg: VMCConfig, step: int) -> int:
+    """N_s of a step: ``samples``, or the geometric ramp from ``samples`` to ``samples_final``."""
+    if cfg.samples_final is None or cfg.steps < 2:
+        return cfg.samples
+    frac = min(step, cfg.steps - 1) / (cfg.steps - 1)
+    return int(round(cfg.samples * (cfg.samples_final / cfg.samples) ** frac))
 
 
 def lr_at(cfg: VMCConfig, step: int) -> float:
@@ -149,7 +162,7 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
     """
     t_0 = time.perf_counter()
     shared, local = step_generators(cfg.seed, step, dist.rank)
-    s = sample(wf, cfg.samples, shared, cfg.sampler, dist.rank, dist.world_size, local)
+    s = sample(wf, samples_at(cfg, step), shared, cfg.sampler, dist.rank, dist.world_size, local)
     t1 = time.perf_counter()
     keys = tokens_to_keys(s.tokens)
     if len(keys):

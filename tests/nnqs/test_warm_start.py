@@ -1,0 +1,94 @@
+"""The warm start: PySCF's CISD mapped into seqlab's determinant convention, and the fit that reproduces it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from pyscf import fci
+
+from seqlab.nnqs.ansatz import Wavefunction
+from seqlab.nnqs.driver import run_vmc
+from seqlab.nnqs.molecules import get_molecule
+from seqlab.nnqs.references import prepare
+from seqlab.nnqs.space import all_configurations, keys_to_tokens, tokens_to_keys
+from seqlab.nnqs.vmc import VMCConfig
+from seqlab.nnqs.warm_start import WarmStartConfig, fit, overlap, pyscf_vector_to_keys, target_state
+
+
+def energy_of(ham, keys: torch.Tensor, coeffs: torch.Tensor) -> float:
+    """<c|H|c> with seqlab's H over the whole sector (c zero off its keys)."""
+    full = torch.sort(tokens_to_keys(all_configurations(ham.n_orb, ham.n_alpha, ham.n_beta))).values
+    pos = torch.searchsorted(full, keys)
+    assert bool((full[pos] == keys).all())
+    v = torch.zeros(len(full), dtype=torch.float64)
+    v[pos] = coeffs
+    return float(v @ torch.from_numpy(ham.dense(full)) @ v)
+
+
+@pytest.mark.parametrize("name", ["lih", "h2o"])
+def test_cisd_state_has_pyscf_cisd_energy_under_seqlab_hamiltonian(system, name):
+    """Keys and signs are right iff <c|H|c> with seqlab's H equals PySCF's own CISD energy."""
+    s = system(name)
+    ham = s.hamiltonian
+    target = target_state("cisd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
+    assert target.method == "cisd" and abs(float(target.coeffs.norm()) - 1) < 1e-12
+    assert abs(energy_of(ham, target.keys, target.coeffs) - target.energy) < 1e-8
+    assert target.energy < s.references.e_hf - 1e-3  # CISD holds correlation: not a relabelled HF state
+
+
+def test_fci_vector_mapping_gives_the_fci_energy(system):
+    s = system("h2o")
+    ham = s.hamiltonian
+    e, vec = fci.direct_spin1.FCI().kernel(ham.h1, ham.eri, ham.n_orb, (ham.n_alpha, ham.n_beta), ecore=ham.e_nuc)
+    keys, c = pyscf_vector_to_keys(vec, ham.n_orb, ham.n_alpha, ham.n_beta)
+    c = c / c.norm()
+    assert len(torch.unique(keys)) == len(keys) == 441
+    assert abs(energy_of(ham, keys, c) - e) < 1e-8
+
+
+@pytest.mark.parametrize("method, min_overlap", [("hf", 0.99), ("cisd", 0.98)])
+def test_fit_reproduces_the_target_amplitudes_and_signs(system, method, min_overlap):
+    s = system("lih")
+    ham = s.hamiltonian
+    target = target_state(method, s.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
+    torch.manual_seed(0)
+    wf = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta)
+    before = overlap(wf, target)
+    report = fit(wf, target, WarmStartConfig(steps=300))
+    assert before < 0.5 and report["overlap"] > min_overlap
+    if method == "cisd":  # the signs, not only |c|^2: every visible amplitude has the target's sign relative to HF
+        log_psi = wf.log_psi(keys_to_tokens(target.keys, ham.n_orb))
+        ref = int(target.coeffs.abs().argmax())
+        rel = torch.exp(log_psi - log_psi[ref]).real * target.coeffs[ref].sign()
+        visible = target.coeffs.abs() > 1e-2
+        assert int(visible.sum()) > 3
+        assert bool((rel[visible].sign() == target.coeffs[visible].sign()).all())
+
+
+def test_warm_started_vmc_starts_at_the_target_energy(system):
+    """A fresh run fits first (step 0 sits near E_CISD, far below HF); a resumed run would not refit."""
+    s = system("lih")
+    ham = s.hamiltonian
+    target = target_state("cisd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
+    res = run_vmc(ham, VMCConfig(steps=2, anneal=0.0, seed=0), e_ref=s.references.e_fci, warm_start=target,
+                  warm_start_cfg=WarmStartConfig(steps=300))
+    assert res.warm_start["overlap"] > 0.98
+    first = res.records[0]["energy"]
+    assert abs(first - target.energy) < 0.3 * (s.references.e_hf - target.energy)
+
+
+def test_bad_warm_start_settings_name_the_field():
+    with pytest.raises(ValueError, match="WarmStartConfig.method"):
+        WarmStartConfig(method="ccsd")
+    with pytest.raises(ValueError, match="WarmStartConfig.steps"):
+        WarmStartConfig(steps=-1)
+
+
+def test_open_shell_falls_back_to_hf_with_a_warning():
+    s = prepare(get_molecule(atom="H 0 0 0; H 0 0 0.9; H 0 0 1.8", spin=1), fci=False, cc=False)
+    ham = s.hamiltonian
+    with pytest.warns(UserWarning, match="Hartree-Fock"):
+        target = target_state("cisd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
+    assert target.method == "hf" and len(target.keys) == 1
+    assert np.isclose(target.energy, s.mf.e_tot)
