@@ -18,10 +18,10 @@ from pathlib import Path
 
 from nnqs_runs import mha, run_all, write_json
 
+from seqlab.nnqs.driver import CHEMICAL_ACCURACY_MHA
 from seqlab.runtime import atomic_write_bytes
 
 METHODS = (("HF", "e_hf"), ("CCSD", "e_ccsd"), ("CCSD(T)", "e_ccsd_t"), ("NNQS", "energy"), ("FCI", "e_fci"))
-CHEMICAL_ACCURACY_MHA = 1.6
 
 
 def plot(rows: list[dict], path: Path) -> None:
