@@ -188,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
         t_ref = time.perf_counter() - t0
         refs, ham = system.references, system.hamiltonian
         cfg = VMCConfig(steps=args.steps, samples=samples, lr=args.lr,
-                        samples_final=None if args.samples_final is None else int(args.samples_final), warmup=args.warmup, anneal=args.anneal,
+                        samples_final=None if args.samples_final is None else int(args.samples_final),
+                        warmup=args.warmup, anneal=args.anneal,
                         local_energy=args.local_energy, sr=args.sr, seed=args.seed,
                         checkpoint_every=args.checkpoint_every,
                         sampler=SamplerConfig(use_cache=not args.no_cache, max_batch=args.max_batch))
