@@ -34,7 +34,7 @@ def test_routes_that_lose_the_whole_pass_are_dropped_and_the_verdict_is_cached()
     model, plain = tiny_model(), tiny_model()
     _seed_cache_in_favour_of("trap", model, Use("decode", 1, torch.float32))
     Trap.converted = 0
-    accelerate(model, "decode", rows=1, dtype="fp32", routes=[Trap()])
+    accelerate(model, "decode", rows=1, dtype="fp32", routes=[Trap()], fused=False)
     plan = model.accel_plan
     assert Trap.converted > 0  # the per-shape plan took it ...
     assert all(c.route == "trap" for c in plan.shapes["fp32"])
@@ -45,14 +45,14 @@ def test_routes_that_lose_the_whole_pass_are_dropped_and_the_verdict_is_cached()
     with torch.no_grad():
         torch.testing.assert_close(model(ids), plain(ids))  # restored exactly: the dense weights came back
     Trap.converted = 0
-    accelerate(model, "decode", rows=1, dtype="fp32", routes=[Trap()])
+    accelerate(model, "decode", rows=1, dtype="fp32", routes=[Trap()], fused=False)
     assert Trap.converted == 0 and not model.accel_plan.kept  # the cached verdict: not even converted again
 
 
 def test_without_the_check_the_per_shape_plan_is_applied():
     model = tiny_model()
     _seed_cache_in_favour_of("trap", model, Use("decode", 1, torch.float32))
-    accelerate(model, "decode", rows=1, dtype="fp32", routes=[Trap()], verify=False)
+    accelerate(model, "decode", rows=1, dtype="fp32", routes=[Trap()], verify=False, fused=False)
     assert model.accel_plan.kept and not model.accel_plan.pass_s
     assert any(type(m) is PackedLinear for m in model.modules())
 
@@ -61,12 +61,12 @@ def test_a_cached_winning_pass_keeps_the_routes_without_timing(monkeypatch):
     model = tiny_model()
     use = Use("decode", 1, torch.float32)
     _seed_cache_in_favour_of("onednn-packed", model, use)
-    first = accelerate(tiny_model(), "decode", rows=1, dtype="fp32").accel_plan  # writes the pass verdict
+    first = accelerate(tiny_model(), "decode", rows=1, dtype="fp32", fused=False).accel_plan  # writes the pass verdict
     key = next(k for k in calibrate.load_cache(current_signature()) if k.startswith("pass|"))
     path = calibrate.cache_path(current_signature())
     path.write_text(path.read_text().replace(str(first.pass_s["plan"]), "1e-09"))  # the routes won, say
     monkeypatch.setattr(accel_apply, "time_pass", lambda *a, **k: pytest.fail("timed although cached"))
-    accelerate(model, "decode", rows=1, dtype="fp32")
+    accelerate(model, "decode", rows=1, dtype="fp32", fused=False)
     assert model.accel_plan.kept and model.accel_plan.pass_s["plan"] == 1e-09
     assert any(type(m) is PackedLinear for m in model.modules())
     assert key.startswith("pass|decode|float32|rows=1|")

@@ -22,6 +22,7 @@ from seqlab.accel.calibrate import dtype_name, fastest, load_cache, shape_key, s
 from seqlab.runtime.cpu import current_signature, native_bf16
 from seqlab.accel.packed_linear import PackedLinear
 from seqlab.accel.routes import USES, Route, Use, builtin_routes
+from seqlab.accel.step_check import choose_fused
 from seqlab.accel.train_linear import TrainLinear
 from seqlab.accel.verify import pass_key, time_pass
 
@@ -58,9 +59,12 @@ class AccelPlan:
     # the whole-pass check (seqlab.accel.verify): seconds per pass over the converted layers, "dense" and "plan"
     pass_s: dict[str, float] = field(default_factory=dict)
     kept: bool = True  # False: the routes lost the whole-pass check and the model was left plain
+    # the fused decode step (seqlab.accel.fused_step): seconds per step, "plain" and each library build timed
+    step_s: dict[str, float] = field(default_factory=dict)
+    fused: str = ""  # the build installed as model.fused_decode ("" when none: the per-product routes apply)
 
     def route_for(self, in_features: int, out_features: int) -> str:
-        if not self.kept:
+        if not self.kept or self.fused:
             return "dense"
         for c in self.shapes.get(self.dtype, []):
             if (c.in_features, c.out_features) == (in_features, out_features):
@@ -75,6 +79,10 @@ class AccelPlan:
             for c in self.shapes.get(dt, []):
                 times = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in c.timings_s.items())
                 lines.append(f"    {c.in_features:>6d} -> {c.out_features:<6d} x{c.count:<3d} {c.route:<20s} ({times})")
+        if self.step_s:
+            times = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.step_s.items())
+            verdict = f"the fused step ({self.fused}) runs every decode step" if self.fused else "plain step kept"
+            lines.append(f"  whole decode step: {times}; {verdict}")
         if self.pass_s:
             verdict = "routes kept" if self.kept else "routes dropped: the model stays plain"
             lines.append(f"  whole pass over the converted layers: plain {self.pass_s['dense'] * 1e3:.3f} ms, "
@@ -160,14 +168,16 @@ def restore_plain(model: nn.Module) -> nn.Module:
                 plain.bias = None if m.bias is None else nn.Parameter(m.bias.detach(), requires_grad=False)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, plain)
-    if hasattr(model, "accel_plan"):
-        del model.accel_plan
+    for attr in ("accel_plan", "fused_decode"):
+        if attr in model.__dict__:
+            delattr(model, attr)
     return model
 
 
 def accelerate(model: nn.Module, for_: str = "decode", *, rows: int | None = None,
                dtype: str | torch.dtype | None = "auto", routes: Sequence[Route] = (),
-               budget_s: float = DEFAULT_BUDGET_S, use_cache: bool = True, verify: bool = True) -> nn.Module:
+               budget_s: float = DEFAULT_BUDGET_S, use_cache: bool = True, verify: bool = True,
+               fused: bool = True) -> nn.Module:
     """Convert ``model`` in place for ``for_`` (``decode``, ``prefill`` or ``train``) and return it.
 
     ``rows``: activation rows per product (decode: batch x beams; default per use). ``dtype``: ``"auto"`` (bf16
@@ -175,8 +185,9 @@ def accelerate(model: nn.Module, for_: str = "decode", *, rows: int | None = Non
     model's), ``"fp32"``/``"bf16"``. For training the parameters stay fp32 and the plan's ``dtype`` is the autocast
     dtype to use. ``routes``: extra :class:`~seqlab.accel.routes.Route`\\ s to consider (e.g. quantised ones).
     ``verify``: for inference, also time one pass over the converted layers before and after, and leave the model
-    plain unless the routes win there too (:mod:`seqlab.accel.verify`). The chosen plan is kept as
-    ``model.accel_plan``.
+    plain unless the routes win there too (:mod:`seqlab.accel.verify`). For decoding, a fused whole step
+    (:mod:`seqlab.accel.fused_step`) is timed against the plain one first; where it wins it is installed as
+    ``model.fused_decode`` and the layers stay plain. The chosen plan is kept as ``model.accel_plan``.
     """
     restore_plain(model)
     if os.environ.get(DISABLE_ENV, "").strip() in ("0", "off", "false", "no"):
@@ -185,6 +196,12 @@ def accelerate(model: nn.Module, for_: str = "decode", *, rows: int | None = Non
     compute = {"fp32": torch.float32, "bf16": torch.bfloat16}[plan.dtype]
     if for_ != "train" and compute != next((p.dtype for p in model.parameters() if p.is_floating_point()), compute):
         model.to(compute)
+    if for_ == "decode" and fused:
+        step, plan.step_s = choose_fused(model, plan.rows, use_cache=use_cache)
+        if step is not None:  # the whole step in one call: it reads the plain layers, so they stay as they are
+            model.fused_decode, plan.fused = step, step.isa
+            model.accel_plan = plan
+            return model
     by_name = {r.name: r for r in _all_routes(routes)}
     use = Use(for_, plan.rows, compute if for_ != "train" else torch.float32)
     # (name, route, shape): names, not modules, so that no list keeps a replaced dense layer alive

@@ -60,6 +60,11 @@ def decode_step(model, tokens: Tensor, cache, position_ids: Tensor | None = None
     ``position_ids`` ([B, 1]) may be passed by a loop that tracks them, which saves recomputing them from the
     cache's fill level every step; left as None the model derives them (the same values).
     """
+    fused = getattr(model, "fused_decode", None)  # a whole-step kernel installed from outside (seqlab.accel)
+    if fused is not None and not torch.compiler.is_compiling():
+        logits = fused(tokens, cache, position_ids)
+        if logits is not None:  # None: a case it does not handle (gradients, another device or cache)
+            return logits
     ids = tokens.view(-1, 1)
     if is_encoder_decoder(model):
         h = model.decode_body(ids, None, None, cache=cache, position_ids=position_ids)

@@ -21,6 +21,12 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* Software prefetch distance in bytes of the weight stream. A decode step reads every weight once from DRAM, and
+ * these loops consume only 16 bytes per few instructions: the hardware prefetchers alone left the int4 product at a
+ * third of the memory bandwidth (measured on an AVX-512 Xeon: 14.7 ms a SmolLM2 step, 8.3 ms with a page ahead). */
+#ifndef PF_AHEAD
+#define PF_AHEAD 4096
+#endif
 #define RB 4 /* activation rows handled together: each weight is unpacked once per RB rows */
 
 /* The row-block bodies take the row count R as a compile-time constant (always inlined into a switch on 1..RB), so
@@ -54,6 +60,7 @@ INLINE void q4_row(const int R, const float *x, int64_t K, const uint8_t *row, c
         __m256 a[RB], b[RB];
         for (int r = 0; r < R; r++) { a[r] = _mm256_setzero_ps(); b[r] = _mm256_setzero_ps(); }
         for (int64_t j = 0; j < blocks; j++, p += 16, xp += 32) {
+            _mm_prefetch((const char *)p + PF_AHEAD, _MM_HINT_T0);
             __m256 w[4];
             q4_unpack32(p, mask, w);
             for (int r = 0; r < R; r++) {
@@ -97,6 +104,7 @@ INLINE void q4_row(const int R, const float *x, int64_t K, const uint8_t *row, c
         __m512 a[RB], b[RB];
         for (int r = 0; r < R; r++) { a[r] = _mm512_setzero_ps(); b[r] = _mm512_setzero_ps(); }
         for (int64_t j = 0; j < blocks; j++, p += 16, xp += 32) {
+            _mm_prefetch((const char *)p + PF_AHEAD, _MM_HINT_T0);
             __m128i q = _mm_loadu_si128((const __m128i *)p);
             __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
             __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
@@ -155,6 +163,7 @@ INLINE void q8_row(const int R, const float *x, int64_t K, const int8_t *row, co
         for (int r = 0; r < R; r++) { a[r] = _mm256_setzero_ps(); b[r] = _mm256_setzero_ps(); }
         int64_t k0 = g * G;
         for (; k0 + 16 <= (g + 1) * G; k0 += 16) {
+            _mm_prefetch((const char *)(row + k0) + PF_AHEAD, _MM_HINT_T0);
             __m128i q = _mm_loadu_si128((const __m128i *)(row + k0));
             __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
             __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q, 8)));
@@ -185,6 +194,7 @@ INLINE void q8_row(const int R, const float *x, int64_t K, const int8_t *row, co
         for (int r = 0; r < R; r++) a[r] = _mm512_setzero_ps();
         int64_t k0 = g * G;
         for (; k0 + 16 <= (g + 1) * G; k0 += 16) {
+            _mm_prefetch((const char *)(row + k0) + PF_AHEAD, _MM_HINT_T0);
             __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + k0))));
             for (int r = 0; r < R; r++) a[r] = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + r * K + k0), a[r]);
         }

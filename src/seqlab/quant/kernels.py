@@ -1,17 +1,13 @@
 """The int4 / int8 weight-only product kernels (``kernel.c``), compiled with the machine's C compiler at first use.
 
-Why C through ``ctypes`` rather than a torch C++ extension: the file needs no torch headers and no ninja, so it
-builds in about a second with plain ``gcc`` on a clean machine. The library is cached under
-``$SEQLAB_CACHE`` (default ``~/.cache/seqlab``) keyed by the source and compiler flags. It targets AVX2 + FMA,
-which both CPU families of the project have. Where there is no compiler, no AVX2 or the build fails,
-:func:`load_kernels` returns ``None`` (once, with a warning) and the route chooser uses the torch routes only.
+The build (and its cache, keyed by the source and compiler flags) is :mod:`seqlab.runtime.native`'s. It targets
+AVX2 + FMA, which both CPU families of the project have, plus an AVX-512 build where the CPU allows one. Where there
+is no compiler, no AVX2 or the build fails, :func:`load_kernels` returns ``None`` (once, with a warning) and the
+route chooser uses the torch routes only.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
 import subprocess
 import warnings
 from pathlib import Path
@@ -20,65 +16,24 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from seqlab.runtime.cpu import current_signature
-from seqlab.runtime.files import atomic_path
+from seqlab.runtime import native
+from seqlab.runtime.native import cache_dir, isa_allowed  # noqa: F401  (the route cache and tests use them here)
 
-_SOURCE = Path(__file__).with_name("kernel.c")
-_FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-# the same source built 16 lanes wide; which build runs is decided by timing (seqlab.quant.routes)
-ISA_FLAGS = {"avx2": [], "avx512": ["-mavx512f", "-mavx512bw"]}
-_ISA_CPU_FLAGS = {"avx2": ("avx2", "fma"), "avx512": ("avx2", "fma", "avx512f", "avx512bw")}
-# an ISA cap (as on an AVX2-only machine, or set by a user) keeps the wider build out
-_CAPS_BELOW_512 = {"ATEN_CPU_CAPABILITY": ("default", "avx2"), "ONEDNN_MAX_CPU_ISA": ("SSE41", "AVX", "AVX2"),
-                   "MKL_ENABLE_INSTRUCTIONS": ("SSE4_2", "AVX", "AVX2")}
+SOURCE = Path(__file__).with_name("kernel.c")
 _STATE: dict[str, object] = {}
 
 
 def _cpu_flags() -> set[str]:
-    return set(current_signature().flags)  # the ISA flags runtime.cpu reads once from /proc/cpuinfo
-
-
-def isa_allowed(isa: str) -> str | None:
-    """None when this CPU may run the ``isa`` build, else the reason it may not."""
-    missing = [f for f in _ISA_CPU_FLAGS[isa] if f not in _cpu_flags()]
-    if missing:
-        return f"the CPU has no {' + '.join(missing)}"
-    if isa == "avx512":
-        for var, below in _CAPS_BELOW_512.items():
-            if os.environ.get(var, "").upper() in {b.upper() for b in below}:
-                return f"{var}={os.environ[var]} caps the ISA below AVX-512"
-    return None
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SEQLAB_CACHE", Path.home() / ".cache" / "seqlab"))
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    return native.cpu_flags()
 
 
 def source_key(isa: str = "avx2") -> str:
     """Hash of the kernel source and flags: a new kernel build gets its own library and route decisions."""
-    blob = _SOURCE.read_bytes() + " ".join([_compiler() or "cc", *_FLAGS, *ISA_FLAGS[isa]]).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
+    return native.source_key([SOURCE], isa)
 
 
 def _build(isa: str) -> ctypes.CDLL:
-    cc = _compiler()
-    if cc is None:
-        raise RuntimeError("no C compiler (gcc/cc) on PATH")
-    reason = isa_allowed(isa)
-    if reason:
-        raise RuntimeError(reason)
-    lib = cache_dir() / "kernels" / f"quant_{isa}_{source_key(isa)}.so"
-    if not lib.is_file():
-        with atomic_path(lib) as tmp:  # processes that build at once each rename a whole library into place
-            proc = subprocess.run([cc, *_FLAGS, *ISA_FLAGS[isa], "-o", str(tmp), str(_SOURCE)], capture_output=True,
-                                  text=True, timeout=120)
-            if proc.returncode != 0:
-                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
-    dll = ctypes.CDLL(str(lib))
+    dll = native.build_library("quant", SOURCE, isa)
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
     dll.seqlab_q4_gemm.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i32]
     dll.seqlab_q8_gemm.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i32]
