@@ -10,7 +10,8 @@ in the same run mean anything.
 * TTFT: a 512-token prompt, ``max_new_tokens=1``.
 * columns: ``seqlab`` (the model as built: dense ``nn.Linear`` weights), ``seqlab+accel`` (a copy after
   :func:`seqlab.accel.accelerate` for ``rows``-row decode in the same dtype, what ``seqlab generate``/``chat``
-  run), ``seqlab+accel+compile`` (optional: that copy's decode step under ``torch.compile``), ``hf``.
+  run with ``--dtype fp32|bf16``), ``seqlab default`` (fp32 rows: the copy ``--dtype auto``, the CLI default,
+  runs: bf16 products where native and measured faster), ``seqlab+accel+compile`` (optional: that copy's decode step under ``torch.compile``), ``hf``.
 * weight bound: every weight matrix of the model applied to ``batch`` activation rows, back to back, in the
   model's dtype, with the faster of two kernels (``F.linear`` on dense weights, oneDNN on packed ones, whatever
   the accelerated copy chose): the time
@@ -154,6 +155,7 @@ def run_benchmark(bc: BenchConfig, log=print) -> dict:
             ids = torch.randint(0, bc.vocab_size, (batch, bc.decode_prompt_len), generator=g)
             n = bc.new_tokens
             packed = packed_copy(model, batch)
+            default = default_copy(model, batch, dname)
 
             def ours(k, m=model, compiled=False):
                 cfg = GenerationConfig(max_new_tokens=k, eos_token_id=[], compile=compiled)
@@ -166,6 +168,8 @@ def run_benchmark(bc: BenchConfig, log=print) -> dict:
             impls = {"seqlab": ours}
             if packed is not None:
                 impls["seqlab+accel"] = lambda k: ours(k, packed)
+            if default is not None:
+                impls["seqlab default"] = lambda k: ours(k, default)
             if bc.compile:  # compile what runs fastest eagerly: the packed model where there is one
                 impls["seqlab+accel+compile" if packed is not None else "seqlab+compile"] = \
                     lambda k: ours(k, packed if packed is not None else model, compiled=True)
@@ -201,14 +205,16 @@ def run_benchmark(bc: BenchConfig, log=print) -> dict:
                 results["rows"].append(asdict(row))
                 log(f"{dname:5s} batch {batch:2d} {name:14s}: {row.decode_tok_s:8.1f} tok/s  "
                     f"{row.ms_per_step:6.2f} ms/step  bound {bound:5.2f} ms  ({row.frac_of_bound:.0%} of bound)")
-            del packed
+            del packed, default
         # TTFT for a long prompt, batch 1
         ids = torch.randint(0, bc.vocab_size, (1, bc.ttft_prompt_len), generator=g)
-        packed = packed_copy(model, 1)
+        packed, default = packed_copy(model, 1), default_copy(model, 1, dname)
         one = GenerationConfig(max_new_tokens=1, eos_token_id=[])
         runs = {"seqlab": lambda: generate_output(model, ids, None, one)}
         if packed is not None:
             runs["seqlab+accel"] = lambda: generate_output(packed, ids, None, one)
+        if default is not None:
+            runs["seqlab default"] = lambda: generate_output(default, ids, None, one)
         if hf is not None:
             runs["hf"] = lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1,
                                              do_sample=False, pad_token_id=0)
@@ -222,14 +228,19 @@ def run_benchmark(bc: BenchConfig, log=print) -> dict:
             results["ttft"].append({"dtype": dname, "impl": name, "prompt_len": bc.ttft_prompt_len,
                                     "ttft_ms": statistics.median(s) * 1e3, "samples_ms": [x * 1e3 for x in s]})
             log(f"{dname:5s} TTFT {bc.ttft_prompt_len}-token prompt {name:14s}: {statistics.median(s) * 1e3:7.1f} ms")
-        del model, hf, packed
+        del model, hf, packed, default
     return results
 
 
-def packed_copy(model, rows: int, for_: str = "decode"):
-    """An accelerated copy of ``model`` for ``rows``-row products in the model's dtype (routes chosen by
-    :func:`seqlab.accel.accelerate`'s calibration, cached per machine)."""
-    return accelerate(copy.deepcopy(model), for_, rows=rows, dtype=None)
+def packed_copy(model, rows: int, for_: str = "decode", dtype=None):
+    """An accelerated copy of ``model`` for ``rows``-row products, in the model's dtype (``dtype=None``) or as the
+    CLI's default runs it (``"auto"``); routes chosen by :func:`seqlab.accel.accelerate`'s calibration, cached."""
+    return accelerate(copy.deepcopy(model), for_, rows=rows, dtype=dtype)
+
+
+def default_copy(model, rows: int, dname: str):
+    """What ``seqlab generate``/``chat`` run by default (``--dtype auto``) for an fp32 model; None for bf16 rows."""
+    return packed_copy(model, rows, dtype="auto") if dname == "fp32" else None
 
 
 def ratio_table(results: dict) -> str:

@@ -11,7 +11,8 @@ and only ratios from the same run mean anything:
   and the first token are subtracted the same way for both libraries. EOS is disabled (HF: ``min_new_tokens``).
 * TTFT: a 512-token prompt, one new token.
 * columns: ``seqlab`` (dense weights, as ``load_gguf`` returns them), ``seqlab+accel`` (after
-  ``seqlab.accel.accelerate(model, "decode", rows=batch)``, as ``seqlab chat``/``generate`` run), ``hf``.
+  ``seqlab.accel.accelerate(model, "decode", rows=batch)``, as ``seqlab chat``/``generate`` run with an explicit
+  ``--dtype``), ``seqlab default`` (fp32 rows: ``dtype="auto"``, the CLI default), ``hf``.
 * weight-streaming bound: every Linear weight of the model (incl. the 49152x576 LM head) applied to one activation
   row per sequence, back to back, in the model's dtype, with the faster of ``F.linear`` on dense weights and oneDNN
   on packed ones -- the step time if a decode step did nothing but read the weights once. ``bound / step`` is the
@@ -44,7 +45,7 @@ from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E40
 
 from seqlab.accel import accelerate  # noqa: E402
 from seqlab.cli.packaged import SMOLLM2_CHATS, packaged_smollm2  # noqa: E402
-from decode_bench import packed_copy, weight_bound_ms  # noqa: E402
+from decode_bench import default_copy, packed_copy, weight_bound_ms  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROMPTS = [
@@ -91,7 +92,7 @@ def long_prompt(tok, n: int) -> torch.Tensor:
     return torch.tensor([ids[:n]])
 
 
-def runners(model, hf, ids, mask, compiled: bool = False, packed=None):
+def runners(model, hf, ids, mask, compiled: bool = False, packed=None, default=None):
     from seqlab.generate import GenerationConfig, generate_output
 
     def ours(k, compile_=False, m=model):
@@ -107,6 +108,8 @@ def runners(model, hf, ids, mask, compiled: bool = False, packed=None):
         impls["seqlab"] = ours
     if packed is not None:
         impls["seqlab+accel"] = lambda k: ours(k, m=packed)
+    if default is not None:
+        impls["seqlab default"] = lambda k: ours(k, m=default)
     if compiled:  # compile what runs fastest eagerly: the accelerated model where there is one
         impls["seqlab+accel+compile" if packed is not None else "seqlab+compile"] = \
             lambda k: ours(k, True, packed if packed is not None else model)
@@ -130,8 +133,8 @@ def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats
         model, tok, hf = load_models(path, DTYPES[dname])
         for batch in batches:
             ids, mask = chat_batch(tok, batch)
-            packed = packed_copy(model, batch)
-            impls = runners(model, hf, ids, mask, compiled, packed)
+            packed, default = packed_copy(model, batch), default_copy(model, batch, dname)
+            impls = runners(model, hf, ids, mask, compiled, packed, default)
             for fn in impls.values():  # warm-up (and compile)
                 fn(8)()
                 fn(1)()
@@ -154,10 +157,10 @@ def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats
                 out["decode"].append(row)
                 log(f"{dname} batch {batch} {name:14s}: {row['tok_s']:7.1f} tok/s  {row['ms_per_step']:6.2f} ms/step  "
                     f"(bound {bound:.2f} ms = {row['frac_of_bound']:.0%})")
-            del packed
+            del packed, default
         ids = long_prompt(tok, ttft_len)
         mask = torch.ones_like(ids)
-        impls = runners(model, hf, ids, mask, compiled, packed_copy(model, 1))
+        impls = runners(model, hf, ids, mask, compiled, packed_copy(model, 1), default_copy(model, 1, dname))
         for fn in impls.values():
             fn(1)()
         t = {k: [] for k in impls}
@@ -230,37 +233,62 @@ def table(res: dict) -> str:
 
 
 @torch.no_grad()
+def _forced_logits(model, ids: torch.Tensor, continuation: torch.Tensor) -> torch.Tensor:
+    """Next-token logits along ``continuation`` through the engine (prefill, then one decode step per token), so
+    each variant runs exactly the paths it generates with (bf16 prefill, fused decode steps)."""
+    from seqlab.generate.engine import decode_step, prefill
+
+    with torch.inference_mode():
+        cache = model.new_cache(1, ids.shape[1] + len(continuation) + 1)
+        out = [prefill(model, ids, cache).float()]
+        for t in continuation[:-1]:
+            out.append(decode_step(model, t.view(1), cache).float())
+    return torch.cat(out)
+
+
+# what each compared variant is: (description, how to make it from an fp32 model)
+QUALITY_VARIANTS = {
+    "auto-b1": ("seqlab chat's default (--dtype auto, batch 1): fp32 weights and decode steps, bf16 prefill",
+                lambda m: accelerate(m, "decode", rows=1, dtype="auto")),
+    "bf16": ("bf16 weights (--dtype bf16, or auto for batched decoding where bf16 is native)",
+             lambda m: accelerate(m, "decode", rows=8, dtype="bf16")),
+}
+
+
 def bf16_quality(path: Path, new_tokens: int = 64, log=print) -> dict:
-    """bf16 (as the accelerator would run it) against fp32 on the test suite's SmolLM2 chat prompts.
+    """Each variant of QUALITY_VARIANTS against plain fp32 on the test suite's SmolLM2 chat prompts.
 
     Per prompt: greedy tokens of each alone (how many of the first ``new_tokens`` agree before the first
-    difference), and both models' logits along the fp32 greedy continuation (teacher forcing): max and mean
-    absolute difference, and how often bf16's top-1 token equals fp32's.
+    difference), and the logits along the fp32 greedy continuation (teacher forcing, through each variant's own
+    prefill and decode steps): max and mean absolute difference, and how often the variant's top-1 equals fp32's.
     """
     from seqlab.generate import generate
     from seqlab.io import load_gguf
 
     fp32, tok = load_gguf(path, dtype=torch.float32)
-    bf16, _ = load_gguf(path, dtype=torch.float32)
-    accelerate(bf16, "prefill", dtype="bf16")
-    rows = []
-    for chat in SMOLLM2_CHATS:
-        ids = torch.tensor([tok.apply_chat_template(chat, add_generation_prompt=True)])
-        a = generate(fp32, ids, max_new_tokens=new_tokens, eos_token_id=[])
-        b = generate(bf16, ids, max_new_tokens=new_tokens, eos_token_id=[])
-        new_a, new_b = a[0, ids.shape[1]:], b[0, ids.shape[1]:]
-        diff = (new_a != new_b).nonzero()
-        same_prefix = int(diff[0]) if len(diff) else len(new_a)
-        la, lb = fp32(a)[0, ids.shape[1] - 1:-1], bf16(a)[0, ids.shape[1] - 1:-1].float()
-        rows.append({"prompt": chat[-1]["content"], "identical_greedy_tokens": same_prefix, "of": len(new_a),
-                     "max_abs_logit_diff": (la - lb).abs().max().item(),
-                     "mean_abs_logit_diff": (la - lb).abs().mean().item(),
-                     "top1_agreement": (la.argmax(-1) == lb.argmax(-1)).float().mean().item(),
-                     "fp32_reply": tok.decode(new_a.tolist()), "bf16_reply": tok.decode(new_b.tolist())})
-        r = rows[-1]
-        log(f"{r['prompt'][:40]:40s} identical {same_prefix:3d}/{len(new_a)}  max |dlogit| "
-            f"{r['max_abs_logit_diff']:.3f}  mean {r['mean_abs_logit_diff']:.4f}  top-1 agree {r['top1_agreement']:.0%}")
-    return {"model": path.name, "bf16_plan": bf16.accel_plan.summary(), "prompts": rows}
+    out: dict = {"model": path.name, "variants": {}}
+    for name, (what, make) in QUALITY_VARIANTS.items():
+        variant = make(load_gguf(path, dtype=torch.float32)[0])
+        rows = []
+        for chat in SMOLLM2_CHATS:
+            ids = torch.tensor([tok.apply_chat_template(chat, add_generation_prompt=True)])
+            a = generate(fp32, ids, max_new_tokens=new_tokens, eos_token_id=[])
+            b = generate(variant, ids, max_new_tokens=new_tokens, eos_token_id=[])
+            new_a, new_b = a[0, ids.shape[1]:], b[0, ids.shape[1]:]
+            diff = (new_a != new_b).nonzero()
+            same_prefix = int(diff[0]) if len(diff) else len(new_a)
+            la, lb = _forced_logits(fp32, ids, new_a), _forced_logits(variant, ids, new_a)
+            rows.append({"prompt": chat[-1]["content"], "identical_greedy_tokens": same_prefix, "of": len(new_a),
+                         "max_abs_logit_diff": (la - lb).abs().max().item(),
+                         "mean_abs_logit_diff": (la - lb).abs().mean().item(),
+                         "top1_agreement": (la.argmax(-1) == lb.argmax(-1)).float().mean().item(),
+                         "fp32_reply": tok.decode(new_a.tolist()), f"{name}_reply": tok.decode(new_b.tolist())})
+            r = rows[-1]
+            log(f"{name:8s} {r['prompt'][:40]:40s} identical {same_prefix:3d}/{len(new_a)}  max |dlogit| "
+                f"{r['max_abs_logit_diff']:.3f}  mean {r['mean_abs_logit_diff']:.4f}  "
+                f"top-1 agree {r['top1_agreement']:.0%}")
+        out["variants"][name] = {"what": what, "plan": variant.accel_plan.summary(), "prompts": rows}
+    return out
 
 
 def quality_main(args) -> int:
@@ -294,7 +322,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "real_models_smollm2.json"))
     ap.add_argument("--rss-worker", choices=("hf", "seqlab", "seqlab+accel"), help=argparse.SUPPRESS)
     ap.add_argument("--quality", action="store_true",
-                    help="only the bf16-vs-fp32 quality check (greedy tokens, logit differences); no timing")
+                    help="only the quality check of the bf16 variants against fp32 (greedy tokens, logit "
+                         "differences); no timing")
     add_isa_options(ap)
     args = ap.parse_args(argv)
     if args.quality:

@@ -22,6 +22,7 @@ from seqlab.accel.calibrate import dtype_name, fastest, load_cache, shape_key, s
 from seqlab.runtime.cpu import current_signature, native_bf16
 from seqlab.accel.packed_linear import PackedLinear
 from seqlab.accel.routes import USES, Route, Use, builtin_routes
+from seqlab.accel.prefill import choose_prefill_cast
 from seqlab.accel.step_check import choose_fused
 from seqlab.accel.train_linear import TrainLinear
 from seqlab.accel.verify import pass_key, time_pass
@@ -62,6 +63,10 @@ class AccelPlan:
     # the fused decode step (seqlab.accel.fused_step): seconds per step, "plain" and each library build timed
     step_s: dict[str, float] = field(default_factory=dict)
     fused: str = ""  # the build installed as model.fused_decode ("" when none: the per-product routes apply)
+    # bf16 prefill of an fp32 model (seqlab.accel.prefill): seconds per prefill ("fp32@L", "bf16@L"), and the
+    # prompt length from which it is used (0: never)
+    prefill_s: dict[str, float] = field(default_factory=dict)
+    prefill_from: int = 0
 
     def route_for(self, in_features: int, out_features: int) -> str:
         if not self.kept or self.fused:
@@ -79,6 +84,11 @@ class AccelPlan:
             for c in self.shapes.get(dt, []):
                 times = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in c.timings_s.items())
                 lines.append(f"    {c.in_features:>6d} -> {c.out_features:<6d} x{c.count:<3d} {c.route:<20s} ({times})")
+        if self.prefill_s:
+            times = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.prefill_s.items())
+            verdict = (f"prompts of {self.prefill_from}+ tokens prefill in bf16" if self.prefill_from
+                       else "prefill stays fp32")
+            lines.append(f"  prefill: {times}; {verdict}")
         if self.step_s:
             times = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.step_s.items())
             verdict = f"the fused step ({self.fused}) runs every decode step" if self.fused else "plain step kept"
@@ -168,7 +178,7 @@ def restore_plain(model: nn.Module) -> nn.Module:
                 plain.bias = None if m.bias is None else nn.Parameter(m.bias.detach(), requires_grad=False)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, plain)
-    for attr in ("accel_plan", "fused_decode"):
+    for attr in ("accel_plan", "fused_decode", "prefill_cast"):
         if attr in model.__dict__:
             delattr(model, attr)
     return model
@@ -196,6 +206,10 @@ def accelerate(model: nn.Module, for_: str = "decode", *, rows: int | None = Non
     compute = {"fp32": torch.float32, "bf16": torch.bfloat16}[plan.dtype]
     if for_ != "train" and compute != next((p.dtype for p in model.parameters() if p.is_floating_point()), compute):
         model.to(compute)
+    if for_ == "decode" and dtype == "auto" and compute == torch.float32:
+        cast, plan.prefill_s = choose_prefill_cast(model, use_cache=use_cache)
+        if cast is not None:  # fp32 weights and decode steps, bf16 products for prompts of min_tokens or more
+            model.prefill_cast, plan.prefill_from = cast, cast.min_tokens
     if for_ == "decode" and fused:
         step, plan.step_s = choose_fused(model, plan.rows, use_cache=use_cache)
         if step is not None:  # the whole step in one call: it reads the plain layers, so they stay as they are

@@ -3,7 +3,7 @@
     --checkpoint DIR   a seqlab model folder, a training checkpoint, or a run directory (its latest checkpoint)
     --gguf PATH        a llama.cpp GGUF file (weights, tokenizer and chat template inside)
     --model HFDIR      a Hugging Face folder (config.json + model.safetensors + tokenizer.json)
-    --dtype fp32|bf16  (float32 / bfloat16 accepted too)     --device cpu|cuda[:N]
+    --dtype auto|fp32|bf16  (float32 / bfloat16 accepted too)     --device cpu|cuda[:N]
 
 Whatever the source, the result is ``(model, tokenizer, source)`` with the one seqlab Tokenizer, so the two
 commands differ only in what they do with the model.
@@ -41,9 +41,10 @@ def add_model_source(p: argparse.ArgumentParser, required: bool = True) -> None:
     src.add_argument("--gguf", metavar="PATH", help="GGUF file (llama/qwen2/qwen3, byte-level BPE vocabulary)")
     src.add_argument("--model", metavar="HFDIR", help="Hugging Face folder (config.json, model.safetensors, "
                                                       "tokenizer.json)")
-    p.add_argument("--dtype", type=_dtype_name, choices=(*DTYPES, "auto"), default="fp32",
-                   help="compute dtype: fp32 (default), bf16 (float32/bfloat16 are accepted too), or auto: bf16 where "
-                        "this CPU has it natively and it measures faster (see docs/acceleration.md)")
+    p.add_argument("--dtype", type=_dtype_name, choices=(*DTYPES, "auto"), default="auto",
+                   help="compute dtype: auto (default: fp32 weights; bf16 products for long prompts and batched decoding "
+                        "only where this CPU has native bf16 and they measure faster, see docs/acceleration.md), fp32 "
+                        "(exactly fp32 everywhere), or bf16 (float32/bfloat16 are accepted too)")
     p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda[:N], or auto (a GPU if any)")
     p.add_argument("--quant", choices=QUANT_CHOICES, default=None,
                    help="weight-only quantised inference: int8 (groups of 32), int4 (groups of 64; 32 for a GGUF "

@@ -11,6 +11,7 @@ tokens are words or orbitals: the NNQS sampler calls these two functions directl
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 
@@ -41,15 +42,18 @@ def prefill(model, input_ids: Tensor, cache, attention_mask: Tensor | None = Non
     Encoder-decoder: ``input_ids`` is the source; the encoder runs once, then the decoder processes
     ``decoder_input_ids`` (default: the decoder start token), computing and caching cross-attention K/V.
     """
-    if is_encoder_decoder(model):
-        memory = model.encode(input_ids, attention_mask)
-        if decoder_input_ids is None:
-            start = decoder_start_token_id(model)
-            decoder_input_ids = torch.full((input_ids.shape[0], 1), start, dtype=torch.long, device=input_ids.device)
-        h = model.decode_body(decoder_input_ids, memory, attention_mask, cache=cache)
-        return model.head(h[:, -1])
-    h = model.body(input_ids, attention_mask, cache=cache)
-    if last_index is None:
+    cast = getattr(model, "prefill_cast", None)  # lower-precision products for long prompts (seqlab.accel.prefill)
+    with cast.context(input_ids.numel()) if cast is not None else contextlib.nullcontext():
+        if is_encoder_decoder(model):
+            memory = model.encode(input_ids, attention_mask)
+            if decoder_input_ids is None:
+                start = decoder_start_token_id(model)
+                decoder_input_ids = torch.full((input_ids.shape[0], 1), start, dtype=torch.long,
+                                               device=input_ids.device)
+            h = model.decode_body(decoder_input_ids, memory, attention_mask, cache=cache)
+        else:
+            h = model.body(input_ids, attention_mask, cache=cache)
+    if last_index is None or is_encoder_decoder(model):
         return model.head(h[:, -1])
     return model.head(h[torch.arange(h.shape[0], device=h.device), last_index])
 
