@@ -51,7 +51,8 @@ def test_sr_direction_solves_the_parameter_space_equation_and_descends(system):
     lam = shift * (Or * Or).sum(1).mean()  # the kernel's mean diagonal, as the implementation scales it
     S, F = Or.T @ Or, Or.T @ er
     direct = torch.linalg.solve(S + lam * torch.eye(len(S), dtype=S.dtype), F)
-    assert torch.allclose(delta, direct.to(delta.dtype), rtol=1e-4, atol=1e-6 * direct.abs().max())
+    # float32 Jacobian and kernel products (a float64 solve): measured 1e-5 relative to the float64 P x P solve
+    assert float((delta - direct).norm()) < 1e-4 * float(direct.norm())
 
     # F is (half) the energy gradient, 2 Re E[(E_loc - E)^* O]: a step along -delta lowers the energy to first order
     grad = 2 * (w[:, None] * (eloc - energy).conj()[:, None] * (O - (w[:, None] * O).sum(0))).sum(0).real

@@ -17,7 +17,7 @@ from seqlab.nnqs.driver import RunResult, run_vmc
 from seqlab.nnqs.molecules import UNITS, get_molecule
 from seqlab.nnqs.references import prepare
 from seqlab.nnqs.sampler import SamplerConfig
-from seqlab.nnqs.vmc import HARTREE_TO_MHA, VMCConfig
+from seqlab.nnqs.vmc import ESTIMATORS, HARTREE_TO_MHA, VMCConfig
 from seqlab.nnqs.vmc_checkpoint import check_new_run, existing_run
 from seqlab.nnqs.warm_start import METHODS as WARM_START_METHODS, WarmStartConfig, target_state
 from seqlab.runtime import atomic_write_text, progress as progress_bar
@@ -66,6 +66,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="N_s at the last step: grows geometrically from --samples (default: constant N_s)")
     p.add_argument("--local-energy", choices=("exact", "sample-space"), default="exact",
                    help="exact (unbiased) or the sample-space approximation of NNQS-Transformer/NAQS (biased)")
+    p.add_argument("--estimator", choices=ESTIMATORS, default="auto",
+                   help="exact-sum: E and its gradient summed over the whole sector with exact probabilities (no "
+                        "sampling noise; needs a sector of at most 200000 determinants); sampled: N_s samples "
+                        "(--samples); auto (default): exact-sum where the sector allows it")
+    p.add_argument("--exact-tail", type=float, default=VMCConfig.exact_tail,
+                   help="exact-sum: the gradient skips the least probable configurations holding this much "
+                        f"probability (default {VMCConfig.exact_tail:g}; the energy always sums over all)")
+    p.add_argument("--exact-max-configs", type=int, default=VMCConfig.exact_max_configs,
+                   help="exact-sum: at most this many configurations in the gradient (default "
+                        f"{VMCConfig.exact_max_configs})")
     p.add_argument("--lr", type=float, default=5e-3, help="peak AdamW learning rate (warmup, cosine decay)")
     p.add_argument("--warmup", type=int, default=20, help="linear warmup steps (>= 0)")
     p.add_argument("--warm-start", choices=WARM_START_METHODS, default="none",
@@ -135,6 +145,10 @@ def check_flags(args: argparse.Namespace) -> int:
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     if not args.lr > 0:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
+    if not 0 <= args.exact_tail < 1:
+        raise ValueError(f"--exact-tail must be in [0, 1), got {args.exact_tail}")
+    if not args.exact_max_configs >= 1:
+        raise ValueError(f"--exact-max-configs must be >= 1, got {args.exact_max_configs}")
     if args.anneal is None:  # a warm-started state already holds the excitations annealing would keep alive
         args.anneal = 0.0 if args.warm_start != "none" else ANNEAL_WITHOUT_WARM_START
     return samples
@@ -157,7 +171,8 @@ def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, a
         "e_hf": refs.e_hf, "e_ccsd": refs.e_ccsd, "e_ccsd_t": refs.e_ccsd_t, "e_fci": refs.e_fci,
         "e_fci_sector": refs.e_fci_sector,
         "error_mha": error_mha(fin["energy"]), "e_ccsd_t_error_mha": error_mha(refs.e_ccsd_t),
-        "steps": args.steps, "samples": samples, "local_energy": args.local_energy, "seed": args.seed,
+        "steps": args.steps, "samples": samples, "local_energy": args.local_energy,
+        "estimator": res.estimator, "seed": args.seed,
         "world_size": world_size, "n_parameters": sum(p.numel() for p in res.wavefunction.parameters()),
         "ansatz": ansatz.__dict__, "lr": args.lr, "anneal": args.anneal, "sr": args.sr,
         "warm_start": res.warm_start, "kv_cache": not args.no_cache, "wall_time_s": wall_s, "vmc_time_s": res.wall_time_s,
@@ -190,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
         cfg = VMCConfig(steps=args.steps, samples=samples, lr=args.lr,
                         samples_final=None if args.samples_final is None else int(args.samples_final),
                         warmup=args.warmup, anneal=args.anneal,
-                        local_energy=args.local_energy, sr=args.sr, seed=args.seed,
+                        local_energy=args.local_energy, estimator=args.estimator, exact_tail=args.exact_tail,
+                        exact_max_configs=args.exact_max_configs, sr=args.sr, seed=args.seed,
                         checkpoint_every=args.checkpoint_every,
                         sampler=SamplerConfig(use_cache=not args.no_cache, max_batch=args.max_batch))
         ansatz = AnsatzConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)

@@ -88,7 +88,9 @@ class Wavefunction(nn.Module):
         return lp.gather(-1, tokens.long()[..., None]).squeeze(-1).sum(-1)
 
     def phase(self, tokens: Tensor) -> Tensor:
-        x = F.one_hot(tokens.long(), N_PAIR_TOKENS).flatten(1).to(self.phase_net[0].weight.dtype)
+        # one-hot by comparison, not F.one_hot: the same numbers, and it vectorises under torch.func.vmap (sr.py)
+        classes = torch.arange(N_PAIR_TOKENS, device=tokens.device)
+        x = (tokens.long()[..., None] == classes).flatten(-2).to(self.phase_net[0].weight.dtype)
         return self.phase_net(x).squeeze(-1)
 
     def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor]:

@@ -19,7 +19,8 @@ import torch
 from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
 from seqlab.nnqs.evaluate import evaluate_energy
 from seqlab.nnqs.hamiltonian import Hamiltonian
-from seqlab.nnqs.vmc import HARTREE_TO_MHA, StepStats, VMCConfig, build_sector, initial_temperature, vmc_step
+from seqlab.nnqs.vmc import HARTREE_TO_MHA, StepStats, VMCConfig, build_sector, initial_temperature, uses_exact_sum, \
+    vmc_step
 from seqlab.nnqs.warm_start import TargetState, WarmStartConfig, fit
 from seqlab.nnqs.vmc_checkpoint import LOG, check_new_run, checkpoint_store, clean_stale, load_checkpoint, \
     save_checkpoint
@@ -39,6 +40,7 @@ class RunResult:
     stopped_at: int | None = None  # completed steps when a signal stopped the run
     checkpoint: Path | None = None  # the last checkpoint written or loaded
     warm_start: dict | None = None  # the supervised fit's losses and overlap (fresh runs with a target only)
+    estimator: str = "sampled"  # what the steps used: "exact-sum" or "sampled" (VMCConfig.estimator resolved)
 
 
 def build_optimizer(wf: Wavefunction, cfg: VMCConfig) -> torch.optim.Optimizer:
@@ -86,6 +88,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     if t0 is None:
         t0 = initial_temperature(wf, ham, cfg, dist)
     sector = build_sector(ham, cfg, dist)
+    estimator = "exact-sum" if uses_exact_sum(cfg, sector) else "sampled"
     log = Logbook(out / LOG if out is not None else Path(LOG), resume_step=start_step - 1 if start_step else None,
                   tensorboard_dir=tensorboard, enabled=out is not None and dist.is_main)
     records = log.rows() if log.enabled else []
@@ -114,9 +117,9 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     if out is not None and dist.is_main and records:
         plot_convergence(log, out, references or {}, e_ref, title)
     if stopped_at is not None:
-        return RunResult(wf, records, None, time.perf_counter() - t_start, stopped_at, checkpoint, warm)
+        return RunResult(wf, records, None, time.perf_counter() - t_start, stopped_at, checkpoint, warm, estimator)
     final = evaluate_energy(wf, ham, cfg, dist)
-    return RunResult(wf, records, final, time.perf_counter() - t_start, None, checkpoint, warm)
+    return RunResult(wf, records, final, time.perf_counter() - t_start, None, checkpoint, warm, estimator)
 
 
 def plot_convergence(log: Logbook, out: Path, references: dict[str, float | None], e_ref: float | None,

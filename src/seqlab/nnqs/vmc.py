@@ -13,6 +13,10 @@ log psi = 1/2 log P + i phi the gradient is that of the surrogate loss
 which is what ``backward`` sees. Ranks hold disjoint parts of one sample tree; the sums above (and the gradient)
 are all-reduced, so every rank takes the same optimizer step. Optional stochastic reconfiguration (``sr=True``)
 preconditions the gradient with the quantum geometric tensor in its sample-space (minSR) form.
+
+With ``estimator="exact-sum"`` (the default ``"auto"`` picks it whenever the sector fast path applies) the samples
+are replaced by the most probable configurations of the whole sector with their exact probabilities as w_k, and E
+by <psi|H|psi>/<psi|psi> over the whole sector (``exact_sum.py``): the same formulas, with no sampling noise.
 """
 
 from __future__ import annotations
@@ -26,14 +30,16 @@ from torch import Tensor
 
 from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.nnqs.hamiltonian import Hamiltonian
+from seqlab.nnqs.exact_sum import exact_sum, sector_log_psi
 from seqlab.nnqs.local_energy import MODES, PsiTable, SectorHamiltonian, local_energy
-from seqlab.nnqs.sampler import SamplerConfig, enumerate_log_prob, sample
+from seqlab.nnqs.sampler import SamplerConfig, sample
 from seqlab.nnqs.space import keys_to_tokens, n_configurations, tokens_to_bits, tokens_to_keys
 from seqlab.nnqs.sr import sr_direction
 from seqlab.runtime.dist import DistInfo, all_reduce_sum
 from seqlab.runtime.schedule import warmup_cosine
 
 HARTREE_TO_MHA = 1000.0
+ESTIMATORS = ("auto", "exact-sum", "sampled")
 
 
 @dataclass
@@ -55,12 +61,20 @@ class VMCConfig:
     # when the sector has at most this many configurations; 0 disables. Costs per step one no-grad pass over the
     # whole sector (prefix tree on the KV cache), and memory of about 12 bytes x N_conf x (singles + doubles).
     sector_max: int = 200_000
+    # how E and its gradient are estimated: "exact-sum" sums over the whole sector with exact probabilities (needs
+    # the sector fast path; no sampling noise, no collapse onto HF), "sampled" draws N_s samples, "auto" takes
+    # exact-sum whenever the sector fast path applies
+    estimator: str = "auto"
+    # exact-sum: the gradient is summed over the most probable configurations holding all but this mass ...
+    exact_tail: float = 1e-8
+    exact_max_configs: int = 16384  # ... and at most this many (bounds the backward's cost)
     # entropy annealing: minimise E - T*S(P), T decaying linearly to 0 over the first anneal_frac of the steps.
     # T0 = anneal * (spread of diagonal energies over the first step's samples), so one value fits all molecules.
     anneal: float = 0.07
     anneal_frac: float = 0.5
     sr: bool = False
     sr_shift: float = 1e-3  # diagonal shift of the minSR kernel, relative to its mean diagonal
+    sr_max_configs: int = 512  # minSR kernel over at most this many (the most probable) configurations
     seed: int = 0
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     eval_exact_max: int = 100_000  # final evaluation sums over every configuration below this space size
@@ -71,6 +85,14 @@ class VMCConfig:
     def __post_init__(self) -> None:
         if self.local_energy not in MODES:
             raise ValueError(f"VMCConfig.local_energy: {self.local_energy!r} not in {MODES}")
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"VMCConfig.estimator: {self.estimator!r} not in {ESTIMATORS}")
+        if self.estimator == "exact-sum" and self.local_energy != "exact":
+            raise ValueError("VMCConfig.estimator: 'exact-sum' needs local_energy='exact' (it sums H psi exactly)")
+        if not 0 <= self.exact_tail < 1:
+            raise ValueError(f"VMCConfig.exact_tail: must be in [0, 1), got {self.exact_tail}")
+        if self.exact_max_configs < 1:
+            raise ValueError(f"VMCConfig.exact_max_configs: must be >= 1, got {self.exact_max_configs}")
         if self.samples_final is not None and self.samples_final < self.samples:
             raise ValueError(f"VMCConfig.samples_final: must be >= samples ({self.samples}), got {self.samples_final}")
         for name, low in (("steps", 1), ("samples", 1), ("checkpoint_every", 1), ("keep_last", 0), ("warmup", 0),
@@ -114,6 +136,7 @@ class StepStats:
     t_local_energy: float
     t_backward: float
     temperature: float = 0.0
+    tail_mass: float = 0.0  # exact sum: probability left out of the gradient set (0 when sampled)
 
 
 def step_generators(seed: int, step: int, rank: int) -> tuple[torch.Generator, torch.Generator]:
@@ -138,64 +161,55 @@ def build_sector(ham: Hamiltonian, cfg: VMCConfig, dist: DistInfo) -> SectorHami
     return SectorHamiltonian(ham, progress=dist.is_main)
 
 
-@torch.no_grad()
-def sector_log_psi(wf: Wavefunction, sector: SectorHamiltonian) -> Tensor:
-    """log psi [D] complex128 on every sector configuration, in ``sector.keys`` order.
-
-    log P comes from walking the whole prefix tree on the KV cache (``enumerate_log_prob``), cheaper than one
-    parallel forward over the finished configurations because shared prefixes are read once; the phase MLP runs on all of them in one batch. Every rank
-    evaluates the whole sector itself (no communication; it needs the rows of its own samples only).
-    """
-    tokens, logp = enumerate_log_prob(wf)
-    pos, found = sector.find(tokens_to_keys(tokens))
-    assert len(pos) == len(sector) and bool(found.all())
-    out = torch.empty(len(sector), dtype=torch.complex128)
-    out[pos] = torch.complex(0.5 * logp.double(), wf.phase(tokens).double())
-    return out
+def uses_exact_sum(cfg: VMCConfig, sector: SectorHamiltonian | None) -> bool:
+    """Whether steps take the exact-sum estimator (``cfg.estimator`` and whether the sector fast path is on)."""
+    if cfg.estimator == "exact-sum" and sector is None:
+        raise ValueError(f"VMCConfig.estimator: 'exact-sum' needs the sector fast path (a sector of at most "
+                         f"sector_max = {cfg.sector_max} configurations); use 'sampled' or 'auto'")
+    return sector is not None and cfg.estimator != "sampled"
 
 
 def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg: VMCConfig, step: int,
              dist: DistInfo, t0: float = 0.0, sector: SectorHamiltonian | None = None) -> StepStats:
     """One optimizer step; ``t0`` is the initial annealing temperature (see ``initial_temperature``).
 
-    With ``sector`` (from ``build_sector``) exact local energies take the sector fast path; the result is the same.
+    With ``sector`` (from ``build_sector``) exact local energies take the sector fast path (the same values), and
+    the estimator is the exact sum unless ``cfg.estimator`` is "sampled".
     """
     t_0 = time.perf_counter()
-    shared, local = step_generators(cfg.seed, step, dist.rank)
-    s = sample(wf, samples_at(cfg, step), shared, cfg.sampler, dist.rank, dist.world_size, local)
-    t1 = time.perf_counter()
-    keys = tokens_to_keys(s.tokens)
-    if len(keys):
-        logp, phase = wf(s.tokens)
-        log_psi = torch.complex(0.5 * logp.detach().double(), phase.detach().double())
-        with torch.no_grad():
-            if sector is not None and cfg.local_energy == "exact":
-                eloc = sector.local_energy(keys, sector_log_psi(wf, sector))
-            else:
-                eloc = local_energy(ham, keys, log_psi, PsiTable(keys, log_psi), make_evaluator(wf),
-                                    cfg.local_energy)
-    else:  # this rank's share of the sample tree is empty (tiny spaces, many ranks)
-        logp = phase = torch.zeros(0)
-        eloc = torch.zeros(0, dtype=torch.complex128)
+    tail = 0.0
+    if uses_exact_sum(cfg, sector):
+        ex = exact_sum(wf, sector, cfg.exact_tail, cfg.exact_max_configs, dist.rank, dist.world_size)
+        tokens, w, eloc, tail = ex.tokens, ex.weights, ex.eloc, ex.tail_mass
+        (e_re, e_im), var, n_unique, sigma = (ex.energy.real, ex.energy.imag), ex.variance, ex.n_kept, 0.0
+        t1 = time.perf_counter()
+        logp, phase = wf(tokens) if len(tokens) else (torch.zeros(0), torch.zeros(0))
+    else:
+        shared, local = step_generators(cfg.seed, step, dist.rank)
+        s = sample(wf, samples_at(cfg, step), shared, cfg.sampler, dist.rank, dist.world_size, local)
+        t1 = time.perf_counter()
+        tokens, w = s.tokens, s.counts.double() / s.n_total
+        logp, phase, eloc = sampled_local_energy(wf, ham, cfg, tokens, sector)
+        sums = torch.stack(((w * eloc.real).sum(), (w * eloc.imag).sum(), (w * eloc.abs() ** 2).sum(),
+                            torch.tensor(float(len(tokens)), dtype=torch.float64)))
+        all_reduce_sum(sums, dist)
+        e_re, e_im, e2, n_unique = (float(v) for v in sums)
+        var = max(e2 - e_re**2 - e_im**2, 0.0)
+        sigma = math.sqrt(var / s.n_total)
     t2 = time.perf_counter()
-    w = s.counts.double() / s.n_total
-    sums = torch.stack(((w * eloc.real).sum(), (w * eloc.imag).sum(), (w * eloc.abs() ** 2).sum(),
-                        torch.tensor(float(len(keys)), dtype=torch.float64)))
-    all_reduce_sum(sums, dist)
-    e_re, e_im, e2, n_unique = (float(v) for v in sums)
-    var = max(e2 - e_re**2 - e_im**2, 0.0)
     de = eloc - complex(e_re, e_im)
     opt.zero_grad(set_to_none=True)
-    if cfg.sr:
-        sr_direction(wf, s.tokens, w, eloc, complex(e_re, e_im), cfg.sr_shift)
+    if cfg.sr:  # on the most probable configurations (the Jacobian costs ~3 ms per configuration)
+        top = torch.argsort(w, descending=True, stable=True)[: cfg.sr_max_configs]
+        sr_direction(wf, tokens[top], w[top], eloc[top], complex(e_re, e_im), cfg.sr_shift)
     else:
         a = de.real
         temp = temperature_at(cfg, step, t0)
         if temp > 0:  # d(T * sum P log P) = T * E[(log P - <log P>) d log P]
             lp = logp.detach().double()
-            mean_lp = all_reduce_sum((w * lp).sum().reshape(1), dist)[0]
-            a = a + temp * (lp - mean_lp)
-        if len(keys):
+            sums = all_reduce_sum(torch.stack(((w * lp).sum(), w.sum())), dist)
+            a = a + temp * (lp - sums[0] / sums[1])  # (exact sum: the mean over the gradient set)
+        if len(tokens):
             loss = (w * (a * logp.double() + 2 * de.imag * phase.double())).sum()
             loss.backward()
     params = list(wf.parameters())
@@ -215,8 +229,23 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
         group["lr"] = lr * group.get("lr_scale", 1.0)
     opt.step()
     t3 = time.perf_counter()
-    return StepStats(step, e_re, e_im, math.sqrt(var / s.n_total), var, int(n_unique), lr, t1 - t_0, t2 - t1,
-                     t3 - t2, temperature_at(cfg, step, t0))
+    return StepStats(step, e_re, e_im, sigma, var, int(n_unique), lr, t1 - t_0, t2 - t1, t3 - t2,
+                     temperature_at(cfg, step, t0), tail)
+
+
+def sampled_local_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, tokens: Tensor,
+                         sector: SectorHamiltonian | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(log P, phi) with gradients and exact (or sample-space) E_loc for this rank's unique samples."""
+    if not len(tokens):  # this rank's share of the sample tree is empty (tiny spaces, many ranks)
+        return torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.complex128)
+    keys = tokens_to_keys(tokens)
+    logp, phase = wf(tokens)
+    with torch.no_grad():
+        if sector is not None and cfg.local_energy == "exact":
+            return logp, phase, sector.local_energy(keys, sector_log_psi(wf, sector))
+        log_psi = torch.complex(0.5 * logp.detach().double(), phase.detach().double())
+        return logp, phase, local_energy(ham, keys, log_psi, PsiTable(keys, log_psi), make_evaluator(wf),
+                                         cfg.local_energy)
 
 
 @torch.no_grad()
