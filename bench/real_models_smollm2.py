@@ -246,6 +246,14 @@ def _forced_logits(model, ids: torch.Tensor, continuation: torch.Tensor) -> torc
     return torch.cat(out)
 
 
+def long_chat() -> list[dict]:
+    """A ~600-token prompt (the start of the embedded validation play, then a question): long enough for the
+    bf16 prefill that ``--dtype auto`` uses for long prompts where bf16 is native."""
+    from seqlab.data.corpus import load_corpus
+
+    return [{"role": "user", "content": load_corpus("validation")[:2000] + "\n\nSummarise this scene in one sentence."}]
+
+
 # what each compared variant is: (description, how to make it from an fp32 model)
 QUALITY_VARIANTS = {
     "auto-b1": ("seqlab chat's default (--dtype auto, batch 1): fp32 weights and decode steps, bf16 prefill",
@@ -270,7 +278,7 @@ def bf16_quality(path: Path, new_tokens: int = 64, log=print) -> dict:
     for name, (what, make) in QUALITY_VARIANTS.items():
         variant = make(load_gguf(path, dtype=torch.float32)[0])
         rows = []
-        for chat in SMOLLM2_CHATS:
+        for chat in [*SMOLLM2_CHATS, long_chat()]:
             ids = torch.tensor([tok.apply_chat_template(chat, add_generation_prompt=True)])
             a = generate(fp32, ids, max_new_tokens=new_tokens, eos_token_id=[])
             b = generate(variant, ids, max_new_tokens=new_tokens, eos_token_id=[])
@@ -278,13 +286,13 @@ def bf16_quality(path: Path, new_tokens: int = 64, log=print) -> dict:
             diff = (new_a != new_b).nonzero()
             same_prefix = int(diff[0]) if len(diff) else len(new_a)
             la, lb = _forced_logits(fp32, ids, new_a), _forced_logits(variant, ids, new_a)
-            rows.append({"prompt": chat[-1]["content"], "identical_greedy_tokens": same_prefix, "of": len(new_a),
+            rows.append({"prompt": chat[-1]["content"][-60:], "prompt_tokens": ids.shape[1], "identical_greedy_tokens": same_prefix, "of": len(new_a),
                          "max_abs_logit_diff": (la - lb).abs().max().item(),
                          "mean_abs_logit_diff": (la - lb).abs().mean().item(),
                          "top1_agreement": (la.argmax(-1) == lb.argmax(-1)).float().mean().item(),
                          "fp32_reply": tok.decode(new_a.tolist()), f"{name}_reply": tok.decode(new_b.tolist())})
             r = rows[-1]
-            log(f"{name:8s} {r['prompt'][:40]:40s} identical {same_prefix:3d}/{len(new_a)}  max |dlogit| "
+            log(f"{name:8s} {r['prompt'][:40]:40s} ({r['prompt_tokens']} tokens) identical {same_prefix:3d}/{len(new_a)}  max |dlogit| "
                 f"{r['max_abs_logit_diff']:.3f}  mean {r['mean_abs_logit_diff']:.4f}  "
                 f"top-1 agree {r['top1_agreement']:.0%}")
         out["variants"][name] = {"what": what, "plan": variant.accel_plan.summary(), "prompts": rows}

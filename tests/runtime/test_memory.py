@@ -1,4 +1,5 @@
-"""trim_heap and map_large_blocks give freed memory back where the C library can (glibc); no-ops elsewhere."""
+"""trim_heap and map_large_blocks give freed memory back where the C library can (glibc); no-ops elsewhere.
+move_to_huge_pages puts weights on 2 MiB pages where the kernel has transparent huge pages."""
 from __future__ import annotations
 
 import platform
@@ -6,7 +7,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from seqlab.runtime import memory
 from seqlab.runtime.memory import _malloc_trim, trim_heap
 
 
@@ -62,3 +65,32 @@ def test_map_large_blocks_returns_large_freed_blocks_at_once():
 
     assert retained_kib("dynamic") > 6 << 10  # glibc's default: the second block came from the heap and stayed
     assert retained_kib("fixed") < 1 << 10  # fixed threshold: it was its own mapping, unmapped when freed
+
+
+def _anon_huge_kib() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+
+@pytest.mark.skipif(not memory.huge_pages_available(), reason="the kernel has transparent huge pages off")
+def test_weights_move_onto_huge_pages_keeping_identity_values_and_ties():
+    weight = torch.nn.Parameter(torch.randn(1024, 1024))  # 4 MiB
+    small = torch.arange(10)
+    shared = torch.randn(64, 64)
+    alias = shared[:8]  # two tensors over one storage: moving one would break the aliasing
+    expected = weight.detach().clone()
+    before = _anon_huge_kib()
+    moved = memory.move_to_huge_pages([weight, small, weight, shared, alias])
+    assert moved >= weight.numel() * 4 + small.numel() * 8
+    assert torch.equal(weight.detach(), expected) and torch.equal(small, torch.arange(10))
+    assert weight.data_ptr() % (2 << 20) == 0 and isinstance(weight, torch.nn.Parameter)
+    alias[0, 0] = 123.0
+    assert shared[0, 0] == 123.0  # not moved: still one storage
+    assert _anon_huge_kib() - before >= 2 << 10  # at least one 2 MiB page backs the weights
+
+
+def test_no_huge_pages_means_nothing_moves(monkeypatch):
+    monkeypatch.setattr(memory, "huge_pages_available", lambda: False)
+    t = torch.randn(100)
+    ptr = t.data_ptr()
+    assert memory.move_to_huge_pages([t]) == 0 and t.data_ptr() == ptr

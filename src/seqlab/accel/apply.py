@@ -20,6 +20,7 @@ from torch import nn
 
 from seqlab.accel.calibrate import dtype_name, fastest, load_cache, shape_key, store_cache, time_routes
 from seqlab.runtime.cpu import current_signature, native_bf16
+from seqlab.runtime.memory import move_to_huge_pages
 from seqlab.accel.packed_linear import PackedLinear
 from seqlab.accel.routes import USES, Route, Use, builtin_routes
 from seqlab.accel.prefill import choose_prefill_cast
@@ -67,6 +68,7 @@ class AccelPlan:
     # prompt length from which it is used (0: never)
     prefill_s: dict[str, float] = field(default_factory=dict)
     prefill_from: int = 0
+    huge_page_bytes: int = 0  # weights moved onto 2 MiB pages (seqlab.runtime.memory.move_to_huge_pages)
 
     def route_for(self, in_features: int, out_features: int) -> str:
         if not self.kept or self.fused:
@@ -84,6 +86,8 @@ class AccelPlan:
             for c in self.shapes.get(dt, []):
                 times = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in c.timings_s.items())
                 lines.append(f"    {c.in_features:>6d} -> {c.out_features:<6d} x{c.count:<3d} {c.route:<20s} ({times})")
+        if self.huge_page_bytes:
+            lines.append(f"  weights on 2 MiB pages: {self.huge_page_bytes / 2**20:.0f} MiB")
         if self.prefill_s:
             times = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.prefill_s.items())
             verdict = (f"prompts of {self.prefill_from}+ tokens prefill in bf16" if self.prefill_from
@@ -206,6 +210,8 @@ def accelerate(model: nn.Module, for_: str = "decode", *, rows: int | None = Non
     compute = {"fp32": torch.float32, "bf16": torch.bfloat16}[plan.dtype]
     if for_ != "train" and compute != next((p.dtype for p in model.parameters() if p.is_floating_point()), compute):
         model.to(compute)
+    if for_ != "train":  # weights streamed once per step: on 2 MiB pages where the kernel has them
+        plan.huge_page_bytes = move_to_huge_pages([*model.parameters(), *model.buffers()])
     if for_ == "decode" and dtype == "auto" and compute == torch.float32:
         cast, plan.prefill_s = choose_prefill_cast(model, use_cache=use_cache)
         if cast is not None:  # fp32 weights and decode steps, bf16 products for prompts of min_tokens or more

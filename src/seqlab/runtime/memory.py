@@ -3,13 +3,17 @@
 Why: glibc's allocator keeps memory that was freed in the middle of its heap, so a process whose working set
 peaked once (a burst of requests of many shapes) keeps that resident set afterwards. A long-running server calls
 :func:`trim_heap` when it falls idle, so its RSS follows its load instead of its history. Elsewhere (another libc,
-another OS) this is a no-op. :func:`map_large_blocks` keeps large transient buffers out of the heap altogether.
+another OS) this is a no-op. :func:`map_large_blocks` keeps large transient buffers out of the heap altogether, and
+:func:`move_to_huge_pages` puts long-lived weights on 2 MiB pages.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 from functools import lru_cache
+
+import torch
 
 
 @lru_cache(maxsize=None)
@@ -50,3 +54,64 @@ def map_large_blocks(threshold_bytes: int = 1 << 20) -> bool:
     """
     fn = _libc("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
     return bool(fn(_M_MMAP_THRESHOLD, int(threshold_bytes))) if fn is not None else False
+
+
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def huge_pages_available() -> bool:
+    """True where the kernel backs ``madvise(MADV_HUGEPAGE)`` regions with transparent huge pages."""
+    try:
+        mode = open(_THP_MODE, encoding="ascii").read()
+    except OSError:
+        return False
+    return "[never]" not in mode and _libc("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int),
+                                           ctypes.c_int) is not None
+
+
+def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
+    """A zeroed uint8 tensor of at least ``nbytes`` on an anonymous mapping advised for 2 MiB pages (None where
+    the kernel or C library cannot). The mapping lives as long as a tensor viewing it does."""
+    if not huge_pages_available():
+        return None
+    size = -(-max(nbytes, 1) // _HUGE_PAGE) * _HUGE_PAGE
+    region = mmap.mmap(-1, size + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds ``region`` alive
+    start = -whole.data_ptr() % _HUGE_PAGE
+    if _libc("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int)(
+            whole.data_ptr() + start, size, _MADV_HUGEPAGE) != 0:
+        return None
+    return whole[start:start + size]
+
+
+def move_to_huge_pages(tensors: list[torch.Tensor], align: int = 64) -> int:
+    """Move the data of ``tensors`` (in place: each keeps its identity, ``.data`` points to the new memory) into
+    one region of 2 MiB pages; return the bytes moved (0 where huge pages are not available).
+
+    Why: a decode step streams every weight from memory once per token. With 4 KiB pages a 0.5 GB model spans
+    130 000 pages, and the page walks of the hardware and software prefetchers cost a quarter of a batch-1 step
+    (measured: SmolLM2-135M's fused fp32 step 26 ms on 4 KiB pages, 20 ms on 2 MiB ones; the 4 KiB figure also
+    varied by 25 % from one process to the next). Only tensors that own their whole storage are moved, so views
+    and tied tensors that share one storage keep sharing it.
+    """
+    by_storage: dict[int, list[torch.Tensor]] = {}
+    for t in {id(t): t for t in tensors}.values():
+        by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+    movable = [group[0] for group in by_storage.values() if len(group) == 1 and group[0].is_contiguous()
+               and group[0].storage_offset() == 0 and group[0].device.type == "cpu"
+               and group[0].untyped_storage().nbytes() == group[0].numel() * group[0].element_size()]
+    sizes = [-(-t.numel() * t.element_size() // align) * align for t in movable]
+    arena = huge_page_buffer(sum(sizes)) if movable else None
+    if arena is None:
+        return 0
+    offset = 0
+    with torch.no_grad():
+        for t, size in zip(movable, sizes):
+            nbytes = t.numel() * t.element_size()
+            view = arena[offset:offset + nbytes].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            t.data = view  # the old storage is freed here, one tensor at a time (peak: the model + one tensor)
+            offset += size
+    return offset
