@@ -3,15 +3,17 @@
     python bench/quant_speed.py [--new-tokens 32] [--repeats 3] [--no-hf] [--no-rss]
 
 Columns, measured interleaved in one process (the machine is shared: only ratios from one run mean anything):
-``hf`` (transformers fp32 from the same GGUF), ``seqlab`` (fp32 with the routes ``seqlab.accel`` measured for batch-1 decode, as ``seqlab chat`` runs it),
-``gguf`` (``load_gguf(quant="gguf")``: the file's Q4_1/Q8_0 blocks), ``int8`` (groups of 32, the default) and ``int4`` (g64),
-the last two re-quantised from the dense model. Decode tok/s = ``new / (t(1 + new tokens) - t(1 token))`` at
+``hf`` (transformers fp32 from the same GGUF), ``seqlab`` (fp32), ``gguf`` (``load_gguf(quant="gguf")``: the
+file's Q4_1/Q8_0 blocks), ``int8`` (groups of 32, the default) and ``int4`` (g64), the last two re-quantised from the
+dense model; every seqlab column accelerated for batch-1 decode as ``seqlab chat [--quant ...]`` runs it
+(``accelerate(model, "decode", rows=1, dtype="auto")``: the fused decode step where it measures faster). Decode tok/s = ``new / (t(1 + new tokens) - t(1 token))`` at
 batch 1 and 8 (EOS off); TTFT on a 512-token prompt. Bytes per token: every weight a decode step reads (all
 linear layers incl. the LM head, at their stored width) and that over the step time, against a measured DRAM
 read bandwidth (a 512 MiB ``sum``). Peak RSS: each implementation in its own subprocess (VmHWM), load + TTFT
 prompt + 32 decode steps (the larger of the load window and the request's window; both are written too). The
 seqlab workers import no ``transformers`` (about 145 MiB of RSS that a seqlab process does not have).
-llama-cpp-python is a column when it is installed and runs.
+llama.cpp (llama-cpp-python, run by the interpreter ``--llama-python`` names, in its own process) is a column when
+given; if it fails, the JSON says how.
 Writes ``bench/results/quant_speed.json``.
 """
 from __future__ import annotations
@@ -44,12 +46,12 @@ def load(impl: str, path: Path):
 
         return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     if impl == "gguf":
-        return load_gguf(path, quant="gguf", with_tokenizer=False)[0]
-    model = load_gguf(path, with_tokenizer=False)[0]
-    if impl == "seqlab":
-        accelerate(model, "decode", rows=1, dtype=None)
-        return model
-    return quantize(model, bits=8 if impl == "int8" else 4, group_size=None if impl == "int8" else 64)
+        model = load_gguf(path, quant="gguf", with_tokenizer=False)[0]
+    else:
+        model = load_gguf(path, with_tokenizer=False)[0]
+        if impl != "seqlab":
+            model = quantize(model, bits=8 if impl == "int8" else 4, group_size=None if impl == "int8" else 64)
+    return accelerate(model, "decode", rows=1, dtype="auto")  # as `seqlab chat [--quant ...]` runs it
 
 
 def weight_bytes(model) -> int:
@@ -70,18 +72,41 @@ def dram_read_gbs() -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def llama_cpp_column(path: Path, new_tokens: int) -> dict:
-    try:
-        from llama_cpp import Llama  # optional: only if its wheel is installed
-    except ImportError as e:
-        return {"status": f"not installed ({e})"}
-    try:
-        llm = Llama(model_path=str(path), n_threads=torch.get_num_threads(), verbose=False)
-        t0 = time.perf_counter()
-        llm("The capital of France is", max_tokens=new_tokens)
-        return {"status": "ok", "tok_s_incl_prefill": new_tokens / (time.perf_counter() - t0)}
-    except Exception as e:  # report how it failed instead of hiding the column
-        return {"status": f"failed: {type(e).__name__}: {e}"}
+_LLAMA_CPP = """
+import json, statistics, sys, time
+from llama_cpp import Llama
+path, threads, new, reps, ttft_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=2048, verbose=False)
+chat = "<|im_start|>user\\nWhat is the capital of France?<|im_end|>\\n<|im_start|>assistant\\n"
+ids = llm.tokenize(chat.encode(), add_bos=False, special=True)
+def run(prompt, k):  # prefill, then k greedy tokens, each fed back: one decode step each
+    llm.reset()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    for _ in range(k):
+        llm.eval([llm.sample(top_k=1, temp=0.0)])
+    return time.perf_counter() - t0
+run(ids, 4)
+steps = [(run(ids, new + 1) - run(ids, 1)) / new for _ in range(reps)]
+long = (ids * (ttft_len // len(ids) + 1))[:ttft_len]
+run(long, 0)
+ttft = [run(long, 0) for _ in range(reps)]
+print(json.dumps({"status": "ok", "ms_per_step": statistics.median(steps) * 1e3, "tok_s": 1 / statistics.median(steps),
+                  "ttft_ms": statistics.median(ttft) * 1e3, "samples_ms": [x * 1e3 for x in steps]}))
+"""
+
+
+def llama_cpp_column(path: Path, new_tokens: int, python: str | None, repeats: int, ttft_len: int) -> dict:
+    """llama.cpp (through llama-cpp-python) on the same GGUF file, batch 1, in its own interpreter ``python``
+    (a bench-only peer: it is never a seqlab dependency). Decode as for the other columns: (t(1 + new) - t(1)) / new,
+    each token sampled greedily and fed back; TTFT on a ``ttft_len``-token prompt."""
+    if python is None:
+        return {"status": "not run (pass --llama-python PYTHON: an interpreter with llama-cpp-python installed)"}
+    res = subprocess.run([python, "-c", _LLAMA_CPP, str(path), str(torch.get_num_threads()), str(new_tokens),
+                          str(repeats), str(ttft_len)], capture_output=True, text=True)
+    if res.returncode != 0:  # report how it failed instead of hiding the column
+        return {"status": f"failed (exit {res.returncode}): {res.stderr.strip()[-400:]}"}
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def _status_mib(field: str) -> float:
@@ -124,6 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-rss", action="store_true")
     ap.add_argument("--rss-impls", default=None, help="comma list (default: every column)")
     ap.add_argument("--rss-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--llama-python", default=None,
+                    help="a Python interpreter with llama-cpp-python installed (its own venv): adds llama.cpp as a column")
     ap.add_argument("--out", default="bench/results/quant_speed.json")
     args = ap.parse_args(argv)
     path = packaged_smollm2()
@@ -171,8 +198,11 @@ def main(argv=None) -> int:
     for r in out["decode"]:
         r["x_vs_base"] = r["tok_s"] / base[r["batch"]]
     del models
-    out["llama_cpp"] = llama_cpp_column(path, args.new_tokens)
-    print("llama-cpp-python:", out["llama_cpp"]["status"], flush=True)
+    out["llama_cpp"] = llama_cpp_column(path, args.new_tokens, args.llama_python, args.repeats, args.ttft_len)
+    lc = out["llama_cpp"]
+    print("llama-cpp-python (batch 1):", lc["status"], *([f"{lc['tok_s']:.1f} tok/s, {lc['ms_per_step']:.2f} ms/step, "
+                                                         f"TTFT {args.ttft_len} {lc['ttft_ms']:.1f} ms"]
+                                                       if lc["status"] == "ok" else []), flush=True)
     if not args.no_rss:
         out["peak_rss_mib"] = {}
         for impl in (args.rss_impls.split(",") if args.rss_impls else impls):

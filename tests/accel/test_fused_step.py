@@ -125,6 +125,8 @@ def test_it_steps_aside_where_it_does_not_apply():
         prefill(model, _ids(2, 3), cache)
         assert fused(tok, model.new_cache(2, 16, dtype=torch.float64)) is None  # a cache dtype it does not read
         assert fused(torch.tensor([1]), cache) is None  # rows that do not match the cache
+        other = build_model(ModelConfig(vocab_size=211, d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, max_seq_len=64))
+        assert fused(tok, other.new_cache(2, 16)) is None  # another model's cache layout: never read blindly
     assert fused(tok, cache) is None  # gradients wanted: only autograd's path can give them
     model.train()
     with torch.no_grad():

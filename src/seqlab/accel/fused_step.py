@@ -31,6 +31,7 @@ from seqlab.runtime import native
 SOURCE = Path(__file__).with_name("fused_step.c")
 _KINDS = {torch.float32: 0, torch.bfloat16: 1}
 _Q4, _Q8 = 2, 3
+SOURCES = [SOURCE, quant_kernels.SOURCE]  # fused_step.c includes the int products' row bodies
 _LIBS: dict[str, ctypes.CDLL | None] = {}
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -196,8 +197,10 @@ class FusedDecodeStep:
             return None
         if not isinstance(cache, KVCache) or tokens.device.type != "cpu" or not self.fresh():
             return None
-        k0, B = cache.k[0], tokens.numel()
-        if k0.dtype not in _KINDS or not k0.is_contiguous() or B != cache.batch_size:
+        k0, v0, B, cfg = cache.k[0], cache.v[0], tokens.numel(), m.config
+        shape = (cfg.n_kv_heads, k0.shape[2], cfg.head_dim)  # the C code trusts every layout it is given
+        if (k0.dtype not in _KINDS or B != cache.batch_size or len(cache.k) != cfg.n_layers or k0.shape[0] < B
+                or any(t.shape[1:] != shape or t.dtype != k0.dtype or not t.is_contiguous() for t in (k0, v0))):
             return None
         ids = tokens.reshape(B, 1)
         if position_ids is None:
@@ -210,7 +213,7 @@ class FusedDecodeStep:
         pos = position_ids.reshape(B).contiguous()
         if int(pos.max()) >= self._cos.shape[0] or int(pos.min()) < 0:  # the C code trusts its table rows
             raise IndexError(f"position {int(pos.max())} is outside the rotary table ({self._cos.shape[0]} rows)")
-        logits = torch.empty(B, m.config.vocab_size)
+        logits = torch.empty(B, cfg.vocab_size)
         n = len(cache.k)
         kp = (ctypes.c_void_p * n)(*(t.data_ptr() for t in cache.k))
         vp = (ctypes.c_void_p * n)(*(t.data_ptr() for t in cache.v))

@@ -22,7 +22,7 @@ from seqlab.runtime.cpu import current_signature
 
 PLAIN = "plain"
 STEP_BUDGET_S = 0.4  # about this long per candidate, over ROUNDS interleaved rounds
-ROUNDS, PROMPT = 3, 16
+ROUNDS, PROMPT, MAX_STEPS = 3, 16, 64  # the cache holds PROMPT + MAX_STEPS positions, not the whole context
 
 
 def step_key(model: nn.Module, rows: int) -> str:
@@ -31,7 +31,7 @@ def step_key(model: nn.Module, rows: int) -> str:
     kinds = [(n, fused_step._mat_kind(m), getattr(m, "group_size", 0)) for n, m in fused_step._linears(model)]
     dims = (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size,
             cfg.qk_norm, cfg.qkv_bias, cfg.bias, cfg.lm_head_bias)
-    blob = repr((dims, kinds, native.source_key([fused_step.SOURCE]))).encode()
+    blob = repr((dims, kinds, native.source_key(fused_step.SOURCES))).encode()
     return f"step|decode|rows={rows}|{hashlib.sha1(blob).hexdigest()[:16]}"
 
 
@@ -39,11 +39,11 @@ def time_steps(model: nn.Module, rows: int, steps: dict[str, Callable], budget_s
                clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Seconds per decode step of each candidate (best of interleaved rounds) on a cache of ``rows`` rows."""
     prompt = max(1, min(PROMPT, model.config.max_seq_len // 2))
-    room = model.config.max_seq_len - prompt
+    room = min(MAX_STEPS, model.config.max_seq_len - prompt)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (rows, prompt), generator=g)
     with torch.inference_mode():
-        cache = model.new_cache(rows, model.config.max_seq_len)
+        cache = model.new_cache(rows, prompt + room)  # a whole-context cache of a real model is hundreds of MiB
         tok = prefill(model, ids, cache).argmax(-1)
 
         def one(step: Callable, n: int) -> float:
