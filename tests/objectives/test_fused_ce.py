@@ -50,3 +50,23 @@ def test_a_second_backward_through_the_same_graph_is_refused():
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="one backward pass"):
         loss.backward()
+
+
+def test_bf16_logits_give_the_fp32_loss_and_autocasts_gradient():
+    """Under bf16 autocast the head's logits are bf16: the fused CE reads them as they are (softmax in fp32) and
+    returns a bf16 gradient, as autocast's cast back to bf16 would, without the fp32 copy of the logits."""
+    torch.manual_seed(1)
+    logits = (torch.randn(6, 13, 300) * 3).bfloat16()
+    labels = torch.randint(0, 300, (6, 13))
+    labels[1, :4] = IGNORE_INDEX
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss, n = token_cross_entropy(a, labels)
+    ref = _reference(b.float(), labels)  # what F.cross_entropy on the upcast logits gives
+    assert n == 74 and loss.dtype == torch.float32
+    assert torch.allclose(loss, ref, rtol=1e-6, atol=1e-4)
+    (loss * 0.5).backward()
+    (ref * 0.5).backward()
+    assert a.grad.dtype == torch.bfloat16
+    # one bf16 rounding of softmax - onehot, then the scale: within a bf16 ulp of autocast's gradient
+    torch.testing.assert_close(a.grad.float(), b.grad.float(), atol=2e-3, rtol=1e-2)
+    assert a.grad[1, :4].abs().max() == 0

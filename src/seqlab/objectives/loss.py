@@ -57,7 +57,7 @@ def token_cross_entropy(logits: Tensor, labels: Tensor) -> tuple[Tensor, int]:
         # mostly valid (pretraining): one CE over the whole tensor; a boolean gather would copy the logits
         # forward and scatter them back in the backward pass
         flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
-        if flat.requires_grad and torch.is_grad_enabled() and flat.dtype == torch.float32:
+        if flat.requires_grad and torch.is_grad_enabled() and flat.dtype in (torch.float32, torch.bfloat16):
             return _CrossEntropySum.apply(flat, flat_labels), n
         return F.cross_entropy(flat.float(), flat_labels, ignore_index=IGNORE_INDEX, reduction="sum"), n
     picked = logits[valid].float()
@@ -74,14 +74,16 @@ class _CrossEntropySum(torch.autograd.Function):
     [N, V] tensor for the one-hot and combines them: about four passes over the logits. The gradient of a summed
     CE is simply ``softmax - onehot`` (zero on ignored rows); computing it while the logits are in hand and saving
     it instead of the log-probabilities (same memory) leaves one softmax pass forward and one scaling pass
-    backward (docs/training.md has the timing). fp32 only: the saved gradient keeps the logits' dtype.
+    backward (docs/training.md has the timing). bf16 logits (autocast) are read as they are: the softmax runs in
+    fp32 inside its kernel, and the saved gradient is rounded to bf16 once, which is what autocast's cast back to
+    the bf16 head would do to an fp32 gradient anyway (without the fp32 copy of the logits and its backward).
     """
 
     @staticmethod
     def forward(ctx, logits: Tensor, labels: Tensor) -> Tensor:
         valid = labels != IGNORE_INDEX
         safe = labels.masked_fill(~valid, 0).unsqueeze(1)
-        grad = torch.softmax(logits, dim=-1)
+        grad = torch.softmax(logits, dim=-1, dtype=torch.float32)
         p = grad.gather(1, safe).squeeze(1)
         # -log p is exact to fp32 rounding while p is a normal number; rows whose p underflows (a target more than
         # ~69 nats below the best logit) take log_softmax's exact value instead
@@ -89,13 +91,13 @@ class _CrossEntropySum(torch.autograd.Function):
         nll = -torch.log(p)
         if bool(tiny.any()):
             rows = tiny.nonzero().squeeze(1)
-            nll[rows] = -torch.log_softmax(logits[rows], dim=-1).gather(1, safe[rows]).squeeze(1)
+            nll[rows] = -torch.log_softmax(logits[rows].float(), dim=-1).gather(1, safe[rows]).squeeze(1)
         loss = (nll * valid).sum()
         grad.scatter_add_(1, safe, valid.to(grad.dtype).neg_().unsqueeze(1))  # - onehot (nothing on ignored rows)
         ignored = (~valid).nonzero().squeeze(1)
         if ignored.numel():
             grad.index_fill_(0, ignored, 0.0)  # touches the ignored rows only
-        ctx.save_for_backward(grad)
+        ctx.save_for_backward(grad.to(logits.dtype))
         ctx.used = False
         return loss
 
