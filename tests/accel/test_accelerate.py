@@ -172,4 +172,5 @@ def test_info_prints_the_chosen_routes_and_timings(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "accel for decode (1 rows/product): dtype fp32" in out
     assert "dense" in out and " us" in out  # every shape with its route and the measured time of each route
+    assert "whole decode step: plain" in out  # the fused step's check, with its timings and verdict
 
