@@ -103,21 +103,23 @@ def main() -> None:
     print(f"sector H: {len(sector)} configurations, {sector.matrix.nnz} nonzeros, built in {t_b:.2f} s "
           f"({c_b:.2f} cpu), {sector.matrix.data.nbytes + sector.matrix.indices.nbytes >> 20} MiB")
     vmc_rows = []
-    for ns in a.vmc_samples:
-        for e_path, sec in (("per-sample", None), ("sector", sector)):
-            cfg = VMCConfig(steps=max(a.vmc_steps, 1), samples=int(ns), anneal=0.0)
-            torch.manual_seed(0)
-            wf_t = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta, acfg)
-            opt = torch.optim.AdamW(wf_t.parameters(), lr=cfg.lr)
-            steps = [vmc_step(wf_t, ham, opt, cfg, i, DistInfo(), sector=sec) for i in range(a.vmc_steps)]
-            br = {k: statistics.median(getattr(st, k) for st in steps)
-                  for k in ("t_sample", "t_local_energy", "t_backward")}
-            br.update(samples=int(ns), path=e_path, n_unique=steps[-1].n_unique,
-                      total=br["t_sample"] + br["t_local_energy"] + br["t_backward"])
-            vmc_rows.append(br)
-            print(f"VMC step (N_s={int(ns):.0e}, {br['n_unique']} unique, exact E_loc, {e_path}): "
-                  f"sampling {br['t_sample']:.2f} s, local energy {br['t_local_energy']:.2f} s, "
-                  f"backward+update {br['t_backward']:.2f} s, total {br['total']:.2f} s", flush=True)
+    runs = [(int(ns), e_path, sec, "sampled") for ns in a.vmc_samples
+            for e_path, sec in (("per-sample", None), ("sector", sector))]
+    runs.append((0, "exact-sum", sector, "exact-sum"))  # no samples: the whole sector with exact weights
+    for ns, e_path, sec, estimator in runs:
+        cfg = VMCConfig(steps=max(a.vmc_steps, 1), samples=max(ns, 1), anneal=0.0, estimator=estimator)
+        torch.manual_seed(0)
+        wf_t = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta, acfg)
+        opt = torch.optim.AdamW(wf_t.parameters(), lr=cfg.lr)
+        steps = [vmc_step(wf_t, ham, opt, cfg, i, DistInfo(), sector=sec) for i in range(a.vmc_steps)]
+        br = {k: statistics.median(getattr(st, k) for st in steps)
+              for k in ("t_sample", "t_local_energy", "t_backward")}
+        br.update(samples=ns or None, path=e_path, n_unique=steps[-1].n_unique,
+                  total=br["t_sample"] + br["t_local_energy"] + br["t_backward"])
+        vmc_rows.append(br)
+        print(f"VMC step (N_s={ns:.0e}, {br['n_unique']} unique, exact E_loc, {e_path}): "
+              f"sampling {br['t_sample']:.2f} s, local energy {br['t_local_energy']:.2f} s, "
+              f"backward+update {br['t_backward']:.2f} s, total {br['total']:.2f} s", flush=True)
     meta = {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "threads": a.threads,
             "torch": torch.__version__, "python": sys.version.split()[0], "date": time.strftime("%Y-%m-%d %H:%M"),
             "load_avg": os.getloadavg()}

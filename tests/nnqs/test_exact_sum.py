@@ -99,7 +99,8 @@ def test_exact_sum_keeps_a_gradient_where_capped_sampling_sees_only_hartree_fock
     ham = s.hamiltonian
     torch.manual_seed(0)
     wf = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta, TINY)
-    fit(wf, target_state("hf", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta), WarmStartConfig(steps=300, lr=1e-2))
+    hf = target_state("hf", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
+    fit(wf, hf, WarmStartConfig(steps=300, lr=1e-2, min_lr_ratio=1.0))  # a constant rate: P(HF) -> 1
     sector = SectorHamiltonian(ham, progress=False)
     ex = exact_sum(wf, sector, 0.0, 10**6)
     p_hf = float(ex.weights.max())

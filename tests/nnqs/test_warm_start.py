@@ -72,7 +72,7 @@ def test_warm_started_vmc_starts_at_the_target_energy(system):
     ham = s.hamiltonian
     target = target_state("cisd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
     res = run_vmc(ham, VMCConfig(steps=2, anneal=0.0, seed=0), e_ref=s.references.e_fci, warm_start=target,
-                  warm_start_cfg=WarmStartConfig(steps=300))
+                  warm_start_cfg=WarmStartConfig())  # the default fit (1500 steps, cosine decay)
     assert res.warm_start["overlap"] > 0.98
     first = res.records[0]["energy"]
     assert abs(first - target.energy) < 0.3 * (s.references.e_hf - target.energy)
@@ -85,10 +85,11 @@ def test_bad_warm_start_settings_name_the_field():
         WarmStartConfig(steps=-1)
 
 
-def test_open_shell_falls_back_to_hf_with_a_warning():
+def test_open_shell_falls_back_to_a_random_start_with_a_warning():
     s = prepare(get_molecule(atom="H 0 0 0; H 0 0 0.9; H 0 0 1.8", spin=1), fci=False, cc=False)
     ham = s.hamiltonian
-    with pytest.warns(UserWarning, match="Hartree-Fock"):
-        target = target_state("cisd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
+    with pytest.warns(UserWarning, match="random state with entropy annealing"):
+        assert target_state("cisd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta) is None
+    target = target_state("hf", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta)  # HF only when asked for
     assert target.method == "hf" and len(target.keys) == 1
     assert np.isclose(target.energy, s.mf.e_tot)

@@ -15,6 +15,7 @@ from pathlib import Path
 from seqlab.nnqs.ansatz import AnsatzConfig
 from seqlab.nnqs.driver import RunResult, run_vmc
 from seqlab.nnqs.molecules import UNITS, get_molecule
+from seqlab.nnqs.recipe import RANDOM_START, WARM_START, Recipe, recipe_for
 from seqlab.nnqs.references import prepare
 from seqlab.nnqs.sampler import SamplerConfig
 from seqlab.nnqs.vmc import ESTIMATORS, HARTREE_TO_MHA, VMCConfig
@@ -26,17 +27,15 @@ from seqlab.runtime.files import ensure_writable_dir
 from seqlab.runtime.rundir import claim_run_dir
 from seqlab.runtime.signals import GracefulStop
 
-ANNEAL_WITHOUT_WARM_START = VMCConfig.anneal
-
 EPILOG = """\
-Expected run time with the defaults (measured on 2 shared CPU cores, 1 thread; see docs/nnqs.md):
-  h2 ~15 s, lih ~2 min, h2o ~2.5-5 min, all to chemical accuracy (< 1.6 mHa vs FCI).
-  nh3 (16 spin orbitals): ~25 min with --steps 600 (1.2 mHa measured).
-  n2 (20 spin orbitals): 1-2 s/step with --samples 1e4 (sector fast path); ~11 s/step with the default N_s
-  while annealing (all 14400 determinants sampled); see docs/nnqs.md for measured errors.
-  c2 (20 spin orbitals, 44100 determinants): not measured.
+Expected run time with the defaults (CISD warm start, exact sum; 1 thread, CPU time; see docs/nnqs.md):
+  h2 ~10 s, lih ~20 s (0.03-0.11 mHa, 3 seeds), h2o ~25 s (0.19 mHa, seed 0).
+  n2 (20 spin orbitals, 14400 determinants): ~0.4 s/step on the exact sum; --steps 4000 for the last mHa
+  (docs/nnqs.md has the measured errors). c2 (44100 determinants): ~1 s/step.
+  --warm-start none: the earlier random-start recipe with entropy annealing.
 Examples:
   seqlab nnqs --molecule h2o
+  seqlab nnqs --molecule n2 --steps 4000
   seqlab nnqs --atom "Li 0 0 0; H 0 0 1.6" --basis sto-3g --out runs/lih16
   seqlab nnqs --atom "O 0 0 0; H 0 0 0.97" --spin 1          # OH radical (ROHF orbitals)
   torchrun --standalone --nproc-per-node 2 -m seqlab.cli.nnqs --molecule lih   # samples split over 2 processes
@@ -76,16 +75,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exact-max-configs", type=int, default=VMCConfig.exact_max_configs,
                    help="exact-sum: at most this many configurations in the gradient (default "
                         f"{VMCConfig.exact_max_configs})")
-    p.add_argument("--lr", type=float, default=5e-3, help="peak AdamW learning rate (warmup, cosine decay)")
-    p.add_argument("--warmup", type=int, default=20, help="linear warmup steps (>= 0)")
-    p.add_argument("--warm-start", choices=WARM_START_METHODS, default="none",
-                   help="fit this PySCF state before VMC (cisd or hf; default none = random start with entropy "
-                        "annealing)")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak AdamW learning rate, then cosine decay (default {WARM_START.lr:g} after a warm start, "
+                        f"{RANDOM_START.lr:g} from a random start; see seqlab.nnqs.recipe)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help=f"linear warmup steps, >= 0 (default {WARM_START.warmup} / {RANDOM_START.warmup})")
+    p.add_argument("--min-lr-ratio", type=float, default=None,
+                   help=f"the cosine ends at lr x this, in (0, 1] (default {WARM_START.min_lr_ratio:g} / "
+                        f"{RANDOM_START.min_lr_ratio:g})")
+    p.add_argument("--phase-lr-scale", type=float, default=None,
+                   help=f"learning rate of the phase MLP relative to --lr, > 0 (default {WARM_START.phase_lr_scale:g} "
+                        f"/ {RANDOM_START.phase_lr_scale:g})")
+    p.add_argument("--beta2", type=float, default=None,
+                   help=f"Adam's second-moment decay, in (0, 1) (default {WARM_START.beta2:g} / "
+                        f"{RANDOM_START.beta2:g})")
+    p.add_argument("--warm-start", choices=WARM_START_METHODS, default="cisd",
+                   help="fit this PySCF state before VMC (default cisd); none = random start with entropy "
+                        "annealing, the earlier recipe, which open shells (no restricted CISD) also get")
     p.add_argument("--warm-start-steps", type=int, default=WarmStartConfig.steps,
                    help=f"supervised steps of the warm start (default {WarmStartConfig.steps})")
     p.add_argument("--anneal", type=float, default=None,
                    help="entropy annealing strength (fraction of the diagonal energy spread, >= 0); 0 disables "
-                        "(default 0 after a warm start, 0.07 with --warm-start none)")
+                        f"(default {WARM_START.anneal:g} after a warm start, {RANDOM_START.anneal:g} with --warm-start "
+                        "none)")
     p.add_argument("--sr", action="store_true", help="stochastic reconfiguration (minSR; slow, small systems)")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -143,15 +155,24 @@ def check_flags(args: argparse.Namespace) -> int:
                              ("--threads", args.threads, 1), ("--warm-start-steps", args.warm_start_steps, 0)):
         if value is not None and not value >= low:  # `not >=` also catches NaN
             raise ValueError(f"{flag} must be >= {low}, got {value}")
-    if not args.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    for flag, value, ok, want in (("--lr", args.lr, lambda v: v > 0, "> 0"),
+                                  ("--min-lr-ratio", args.min_lr_ratio, lambda v: 0 < v <= 1, "in (0, 1]"),
+                                  ("--phase-lr-scale", args.phase_lr_scale, lambda v: v > 0, "> 0"),
+                                  ("--beta2", args.beta2, lambda v: 0 < v < 1, "in (0, 1)")):
+        if value is not None and not ok(value):
+            raise ValueError(f"{flag} must be {want}, got {value}")
     if not 0 <= args.exact_tail < 1:
         raise ValueError(f"--exact-tail must be in [0, 1), got {args.exact_tail}")
     if not args.exact_max_configs >= 1:
         raise ValueError(f"--exact-max-configs must be >= 1, got {args.exact_max_configs}")
-    if args.anneal is None:  # a warm-started state already holds the excitations annealing would keep alive
-        args.anneal = 0.0 if args.warm_start != "none" else ANNEAL_WITHOUT_WARM_START
     return samples
+
+
+def fill_recipe(args: argparse.Namespace, recipe: Recipe) -> None:
+    """Optimiser flags left out take the values that go with the start actually made (``nnqs.recipe``)."""
+    for name in ("lr", "warmup", "anneal", "min_lr_ratio", "phase_lr_scale", "beta2"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(recipe, name))
 
 
 def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, ansatz: AnsatzConfig,
@@ -174,7 +195,9 @@ def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, a
         "steps": args.steps, "samples": samples, "local_energy": args.local_energy,
         "estimator": res.estimator, "seed": args.seed,
         "world_size": world_size, "n_parameters": sum(p.numel() for p in res.wavefunction.parameters()),
-        "ansatz": ansatz.__dict__, "lr": args.lr, "anneal": args.anneal, "sr": args.sr,
+        "ansatz": ansatz.__dict__, "lr": args.lr, "warmup": args.warmup,
+        "min_lr_ratio": args.min_lr_ratio, "phase_lr_scale": args.phase_lr_scale, "beta2": args.beta2,
+        "anneal": args.anneal, "sr": args.sr,
         "warm_start": res.warm_start, "kv_cache": not args.no_cache, "wall_time_s": wall_s, "vmc_time_s": res.wall_time_s,
         "reference_time_s": t_ref, "notes": refs.notes,
     }
@@ -202,15 +225,17 @@ def run(args: argparse.Namespace) -> int:
         system = prepare(mol, fci=not args.no_fci, cc=not args.no_cc)
         t_ref = time.perf_counter() - t0
         refs, ham = system.references, system.hamiltonian
+        warm = target_state(args.warm_start, system.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
+        fill_recipe(args, recipe_for("none" if warm is None else warm.method))
         cfg = VMCConfig(steps=args.steps, samples=samples, lr=args.lr,
                         samples_final=None if args.samples_final is None else int(args.samples_final),
-                        warmup=args.warmup, anneal=args.anneal,
+                        warmup=args.warmup, anneal=args.anneal, min_lr_ratio=args.min_lr_ratio,
+                        phase_lr_scale=args.phase_lr_scale, betas=(VMCConfig.betas[0], args.beta2),
                         local_energy=args.local_energy, estimator=args.estimator, exact_tail=args.exact_tail,
                         exact_max_configs=args.exact_max_configs, sr=args.sr, seed=args.seed,
                         checkpoint_every=args.checkpoint_every,
                         sampler=SamplerConfig(use_cache=not args.no_cache, max_batch=args.max_batch))
         ansatz = AnsatzConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
-        warm = target_state(args.warm_start, system.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
         bar = progress_bar(total=args.steps, desc=f"nnqs {mol.name}", unit="step",
                            enabled=dist.is_main and not args.quiet)
         for note in refs.notes if dist.is_main and not args.quiet else ():
