@@ -113,11 +113,15 @@ def test_exact_sum_keeps_a_gradient_where_capped_sampling_sees_only_hartree_fock
     st = vmc_step(wf_s, ham, opt, sampled, 0, DistInfo(), sector=sector)
     assert st.n_unique == 1  # only HF was drawn
     assert all(float(p.grad.abs().max()) == 0.0 for p in wf_s.parameters())
-    res = run_vmc(ham, VMCConfig(estimator="exact-sum", steps=30, lr=3e-3, warmup=0, anneal=0.0), TINY)
-    assert res.records[-1]["energy"] < res.records[0]["energy"]
     st = vmc_step(wf, ham, torch.optim.SGD(wf.parameters(), lr=1e-4), VMCConfig(**common), 0, DistInfo(),
                   sector=sector)
     assert st.n_unique > 1 and any(float(p.grad.abs().max()) > 0 for p in wf.parameters())
+    # and it descends: 40 exact-sum AdamW steps from the HF state (measured: HF + 1.68 -> HF + 0.47 mHa; the
+    # excitations grow from ~1e-4 amplitudes slowly, which is why an HF fit is not the warm-start fallback)
+    cfg = VMCConfig(**{**common, "steps": 40, "lr": 1e-3})
+    opt = torch.optim.AdamW(wf.parameters(), lr=1e-3)
+    energies = [vmc_step(wf, ham, opt, cfg, i, DistInfo(), sector=sector).energy for i in range(40)]
+    assert energies[-1] < energies[0] - 5e-4
 
 
 def test_exact_sum_config_errors_name_the_field(system):

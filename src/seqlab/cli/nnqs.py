@@ -31,7 +31,7 @@ EPILOG = """\
 Expected run time with the defaults (CISD warm start, exact sum; 1 thread, CPU time; see docs/nnqs.md):
   h2 ~10 s, lih ~20 s (0.03-0.11 mHa, 3 seeds), h2o ~25 s (0.19 mHa, seed 0).
   n2 (20 spin orbitals, 14400 determinants): ~0.4 s/step on the exact sum; --steps 4000 for the last mHa
-  (docs/nnqs.md has the measured errors). c2 (44100 determinants): ~1 s/step.
+  (docs/nnqs.md has the measured errors). c2 (44100 determinants): ~1 s/step, not measured to the end.
   --warm-start none: the earlier random-start recipe with entropy annealing.
 Examples:
   seqlab nnqs --molecule h2o

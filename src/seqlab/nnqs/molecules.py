@@ -20,6 +20,8 @@ BUILTIN: dict[str, tuple[str, int, int]] = {
     "h2o": ("O 0 0 0.137; H 0 0.769 -0.546; H 0 -0.769 -0.546", 0, 0),
     "nh3": ("N 0 0 0.149; H 0 0.947 -0.348; H 0.821 -0.474 -0.348; H -0.821 -0.474 -0.348", 0, 0),
     "n2": ("N 0 0 0; N 0 0 1.19", 0, 0),
+    # C2, STO-3G: 1.26 A as in the source above (the experimental r_e of the X 1Sigma_g+ state is 1.2425 A, Huber &
+    # Herzberg 1979); 12 electrons in 10 orbitals, 44 100 determinants, strongly multi-reference (HF weight 0.67)
     "c2": ("C 0 0 0; C 0 0 1.26", 0, 0),
 }
 
