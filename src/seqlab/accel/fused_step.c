@@ -12,6 +12,7 @@
  * embeddings and reserves the cache slots; this file writes each layer's K/V into the cache tensors directly.
  */
 #include "kernel.c" /* q4_row, q8_row, RB, INLINE: the int products' row bodies */
+#include "simd.h"   /* vf, VL, vload... for this build's vector width; bf16 conversions */
 
 #include <math.h>
 #include <omp.h>
@@ -37,47 +38,6 @@ typedef struct {
     const float *final_norm; /* [d] or NULL */
     sl_mat head;
 } sl_model;
-
-#ifdef __AVX512F__
-#define VL 16
-typedef __m512 vf;
-#define vzero() _mm512_setzero_ps()
-#define vload(p) _mm512_loadu_ps(p)
-#define vstore(p, v) _mm512_storeu_ps(p, v)
-#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define vadd(a, b) _mm512_add_ps(a, b)
-#define vmul(a, b) _mm512_mul_ps(a, b)
-#define vset1(s) _mm512_set1_ps(s)
-#define vsum(v) _mm512_reduce_add_ps(v)
-INLINE vf vload_bf16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-#else
-#define VL 8
-typedef __m256 vf;
-#define vzero() _mm256_setzero_ps()
-#define vload(p) _mm256_loadu_ps(p)
-#define vstore(p, v) _mm256_storeu_ps(p, v)
-#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define vadd(a, b) _mm256_add_ps(a, b)
-#define vmul(a, b) _mm256_mul_ps(a, b)
-#define vset1(s) _mm256_set1_ps(s)
-#define vsum(v) hsum256(v)
-INLINE vf vload_bf16(const uint16_t *p) {
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-#endif
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v = {(uint32_t)h << 16};
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch's conversion */
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40); /* NaN stays NaN */
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
-}
 
 /* y[r * N] = x[r] . w (+ bias) for R activation rows of one dense weight row (fp32 or bf16, a constant). */
 INLINE void dense_row(const int R, const int bf16, const float *x, int64_t K, const void *wrow, float bias, float *y,

@@ -31,7 +31,8 @@ from seqlab.runtime import native
 SOURCE = Path(__file__).with_name("fused_step.c")
 _KINDS = {torch.float32: 0, torch.bfloat16: 1}
 _Q4, _Q8 = 2, 3
-SOURCES = [SOURCE, quant_kernels.SOURCE]  # fused_step.c includes the int products' row bodies
+SIMD = Path(__file__).with_name("simd.h")
+SOURCES = [SOURCE, quant_kernels.SOURCE, SIMD]  # fused_step.c includes the int products' row bodies and simd.h
 _LIBS: dict[str, ctypes.CDLL | None] = {}
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -56,7 +57,7 @@ def library(isa: str) -> ctypes.CDLL | None:
     """The fused-step library built for ``isa`` ("avx2" or "avx512"), or None where it cannot be built or run."""
     if isa not in _LIBS:
         try:
-            dll = native.build_library("fused_step", SOURCE, isa, includes=[quant_kernels.SOURCE])
+            dll = native.build_library("fused_step", SOURCE, isa, includes=SOURCES[1:])
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             if isa == "avx2":
                 warnings.warn(f"seqlab.accel: fused decode step unavailable ({e})", RuntimeWarning)

@@ -1,0 +1,143 @@
+"""GPT-2's GELU (tanh approximation) for training, one C pass forward and one backward (``gelu.c``).
+
+Why: profiled on a GPT-2-shaped training step (d 256, 4 layers, 2 threads), torch's ``gelu`` + ``gelu_backward``
+took 36 ms of a 480 ms fp32 step under the AVX2 caps and 16 ms of a 180 ms bf16 step on AMX: about a layer's
+attention. The function is the model's own (``F.gelu(x, approximate="tanh")``, to about 1e-6 relative);
+:func:`seqlab.accel.accelerate` puts it into the MLPs of a model it accelerates for training where a timed forward
+and backward beats torch's, and :func:`~seqlab.accel.restore_plain` puts torch's back.
+"""
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from seqlab.accel.calibrate import dtype_name, fastest, load_cache, store_cache
+from seqlab.model.layers import MLP, activation_fn
+from seqlab.runtime import native
+from seqlab.runtime.cpu import current_signature
+
+SOURCE = Path(__file__).with_name("gelu.c")
+SIMD = Path(__file__).with_name("simd.h")
+_LIBS: dict[str, ctypes.CDLL | None] = {}
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+MAX_TIMED_ROWS = 4096  # tokens of the timed probe (a step's whole batch, up to this)
+
+
+def library(isa: str) -> ctypes.CDLL | None:
+    if isa not in _LIBS:
+        try:
+            dll = native.build_library("gelu", SOURCE, isa, includes=[SIMD])
+        except (RuntimeError, OSError, subprocess.SubprocessError):
+            dll = None
+        if dll is not None:
+            p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+            dll.seqlab_gelu_tanh_fwd.argtypes = [p, p, i64, i32, i32]
+            dll.seqlab_gelu_tanh_bwd.argtypes = [p, p, p, i64, i32, i32]
+            dll.seqlab_gelu_tanh_fwd.restype = dll.seqlab_gelu_tanh_bwd.restype = None
+        _LIBS[isa] = dll
+    return _LIBS[isa]
+
+
+def _fits(x: Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in _DTYPES
+
+
+class _GeluTanh(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, isa: str) -> Tensor:
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        library(isa).seqlab_gelu_tanh_fwd(x.data_ptr(), y.data_ptr(), x.numel(), _DTYPES[x.dtype],
+                                          torch.get_num_threads())
+        ctx.save_for_backward(x)
+        ctx.isa = isa
+        return y
+
+    @staticmethod
+    def backward(ctx, gy: Tensor):
+        (x,) = ctx.saved_tensors
+        gy = gy.to(x.dtype).contiguous()
+        gx = torch.empty_like(x)
+        library(ctx.isa).seqlab_gelu_tanh_bwd(x.data_ptr(), gy.data_ptr(), gx.data_ptr(), x.numel(),
+                                              _DTYPES[x.dtype], torch.get_num_threads())
+        return gx, None
+
+
+class FusedGeluTanh:
+    """A drop-in for ``lambda x: F.gelu(x, approximate="tanh")`` (an MLP's ``act``), on one library build."""
+
+    def __init__(self, isa: str):
+        if library(isa) is None:
+            raise RuntimeError(f"the {isa} GELU library is not available here")
+        self.isa = isa
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if not _fits(x):
+            return F.gelu(x, approximate="tanh")
+        return _GeluTanh.apply(x, self.isa)
+
+    def __repr__(self) -> str:
+        return f"FusedGeluTanh({self.isa})"
+
+
+def time_gelus(rows: int, width: int, dtype: torch.dtype, candidates: dict, rounds: int = 5) -> dict[str, float]:
+    """Seconds per forward + backward of each candidate ``act`` on a [rows, width] input, best of interleaved
+    rounds (``candidates``: name -> callable; the plain one first)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, width, generator=g).to(dtype).requires_grad_()
+    grad = torch.randn(rows, width, generator=g).to(dtype)
+    best = dict.fromkeys(candidates, float("inf"))
+    for r in range(rounds + 1):  # round 0 warms up
+        for name, act in candidates.items():
+            t0 = time.perf_counter()
+            act(x).backward(grad)
+            x.grad = None
+            if r:
+                best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
+def gelu_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The MLPs of ``model`` whose activation is the tanh GELU (the ones this function can stand in for)."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or cfg.activation != "gelu_tanh":
+        return []
+    return [m for m in model.modules() if isinstance(m, MLP)]
+
+
+def choose_gelu(model: torch.nn.Module, rows: int, dtype: torch.dtype,
+                use_cache: bool = True) -> tuple[FusedGeluTanh | None, dict[str, float]]:
+    """The fused GELU to put into ``model``'s MLPs for training at ``rows`` tokens per step in ``dtype`` (None:
+    torch's is as fast, or the model has no tanh-GELU MLP), and the timings (cached per CPU signature)."""
+    mlps = gelu_mlps(model)
+    isas = [isa for isa in ("avx2", "avx512") if native.isa_allowed(isa) is None and library(isa) is not None]
+    if not mlps or not isas or dtype not in _DTYPES:
+        return None, {}
+    width, rows = mlps[0].d_ff, min(int(rows), MAX_TIMED_ROWS)
+    key, sig = f"gelu_tanh|train|{dtype_name(dtype)}|rows={rows}|width={width}|{native.source_key([SOURCE, SIMD])}", \
+        current_signature()
+    timings = dict(load_cache(sig).get(key, {})) if use_cache else {}
+    candidates = {isa: FusedGeluTanh(isa) for isa in isas}
+    if not timings:
+        timings = time_gelus(rows, width, dtype, {"torch": activation_fn("gelu_tanh"), **candidates})
+        if use_cache:
+            timings = dict(store_cache(sig, {key: timings})[key])
+    best = fastest({k: v for k, v in timings.items() if k == "torch" or k in candidates}, plain="torch")
+    return candidates.get(best), timings
+
+
+def install(model: torch.nn.Module, act) -> None:
+    for m in gelu_mlps(model):
+        m.act = act
+
+
+def uninstall(model: torch.nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, MLP) and isinstance(m.act, FusedGeluTanh):
+            m.act = activation_fn("gelu_tanh")
