@@ -1,6 +1,6 @@
 """Decode speed and memory of quantised SmolLM2-135M-Instruct, side by side with fp32 seqlab and HF, one run.
 
-    python bench/quant_speed.py [--new-tokens 32] [--repeats 3] [--no-hf] [--no-rss]
+    python bench/quant_speed.py [--new-tokens 32] [--repeats 3] [--no-hf] [--no-rss] [--isa native,avx2]
 
 Columns, measured interleaved in one process (the machine is shared: only ratios from one run mean anything):
 ``hf`` (transformers fp32 from the same GGUF), ``seqlab`` (fp32), ``gguf`` (``load_gguf(quant="gguf")``: the
@@ -14,6 +14,8 @@ prompt + 32 decode steps (the larger of the load window and the request's window
 seqlab workers import no ``transformers`` (about 145 MiB of RSS that a seqlab process does not have).
 llama.cpp (llama-cpp-python, run by the interpreter ``--llama-python`` names, in its own process) is a column when
 given; if it fails, the JSON says how.
+Where the CPU has more than AVX2, ``--isa`` (default both) runs the whole matrix natively and again under the
+AVX2 caps, one child process each (``bench/isa_matrix.py``); the JSON then holds ``{"by_isa": {isa: results}}``.
 Writes ``bench/results/quant_speed.json``.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
 from real_models_smollm2 import _quiet, _time, chat_batch, long_prompt, runners  # noqa: E402
 
 from seqlab.cli.chat import packaged_smollm2  # noqa: E402
@@ -152,15 +155,20 @@ def main(argv=None) -> int:
     ap.add_argument("--llama-python", default=None,
                     help="a Python interpreter with llama-cpp-python installed (its own venv): adds llama.cpp as a column")
     ap.add_argument("--out", default="bench/results/quant_speed.json")
+    add_isa_options(ap)
     args = ap.parse_args(argv)
     path = packaged_smollm2()
     if args.rss_worker:
         rss_worker(args.rss_worker, path, args.ttft_len)
         return 0
+    if args.isa_child is None:  # the parent: one child per ISA (the caps are read when torch loads)
+        run_per_isa(__file__, strip_isa_args(sys.argv[1:] if argv is None else argv), args.isa, args.out)
+        return 0
     tok = _tokenizer(path)
     impls = ([] if args.no_hf else ["hf"]) + ["seqlab", "gguf", "int8", "int4"]
     models = {name: load(name, path) for name in impls}
-    out: dict = {"threads": torch.get_num_threads(), "dram_read_gb_s": dram_read_gbs(), "decode": [], "ttft": []}
+    out: dict = {"isa": args.isa_child, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                 "threads": torch.get_num_threads(), "dram_read_gb_s": dram_read_gbs(), "decode": [], "ttft": []}
     print(f"DRAM read bandwidth {out['dram_read_gb_s']:.1f} GB/s", flush=True)
     for batch in map(int, args.batches.split(",")):
         ids, mask = chat_batch(tok, batch)
