@@ -4,8 +4,9 @@ Both models are GPT-2 shaped (learned positions, LayerNorm, GELU-tanh MLP, biase
 identical sizes, fed the same random token batches, and trained with the same AdamW (foreach) and gradient
 clipping. One "step" = forward + loss + backward + clip + optimizer step, exactly what each library's training
 loop does: seqlab through its CLM objective (``seqlab.train``'s path), HF through ``model(input_ids,
-labels=input_ids).loss``. Timings alternate between the two libraries (A B A B ...) so background load on a
-shared machine hits both alike; the median per library is reported.
+labels=input_ids).loss``. Each library runs in its own process (``Worker``: nothing carries over between them),
+and the timings alternate between them (A B A B ...) so background load on a shared machine hits all alike; the
+median per library is reported.
 
 MFU = achieved model FLOP/s / measured peak matmul FLOP/s of this machine in the same precision. Model FLOPs per
 token = 6 * (matmul parameters incl. the LM head) + 12 * n_layers * seq_len * d_model (attention scores and
@@ -13,7 +14,8 @@ values, forward + backward), the PaLM accounting.
 
 Columns: ``seqlab`` (the plain model, AdamW foreach, as before), ``seqlab+fused`` (the same with
 ``AdamW(fused=True)``, what ``seqlab train`` uses), ``seqlab+accel`` (also ``seqlab.accel.accelerate(model,
-"train")``: the fp32 product routes calibrated on this machine, what ``seqlab train`` runs on CPU), ``hf``.
+"train")``: the fp32 product routes calibrated on this machine, and ``runtime.memory.keep_freed_blocks()``: what
+``seqlab train`` runs on CPU), ``hf`` (as a user runs it: glibc's default allocator settings).
 
     python bench/train_throughput.py                     # fp32 and bf16, default size, native and AVX2 caps
     python bench/train_throughput.py --isa native        # this CPU's own ISA only
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import platform
 import statistics
 import sys
@@ -40,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
 
 from seqlab.accel import accelerate  # noqa: E402
+from seqlab.runtime.memory import keep_freed_blocks  # noqa: E402
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
@@ -179,6 +183,55 @@ def make_step(lib: str, model, precision: str, vocab: int, compiled: bool = Fals
     return step
 
 
+def _worker_main(conn, name: str, precision: str, args) -> None:
+    """One library in its own process, as a user runs it: build, warm up, then time ``n`` steps per request."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ours, hf, _ = build_pair(args)
+    model, plan = (hf if name == "hf" else ours), None
+    if "accel" in name:  # what `seqlab train` does on a CPU: the product routes, and the allocator setting
+        accelerate(model, "train", rows=args.batch_size * args.seq_len, dtype=None)
+        keep_freed_blocks()
+        plan = model.accel_plan.summary()
+    step = make_step("hf" if name == "hf" else "seqlab", model, precision, args.vocab,
+                     compiled=name.endswith("compile"), fused=name != "seqlab" and name != "hf")
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=g) for _ in range(4)]
+    for b in batches[:2]:  # warm up (oneDNN primitive creation, compile, the allocator's heap)
+        step(b)
+    conn.send(plan)
+    while (n := conn.recv()) is not None:
+        t = time.perf_counter()
+        for i in range(n):
+            step(batches[i % len(batches)])
+        conn.send((time.perf_counter() - t) / n)
+
+
+class Worker:
+    """A library's training step in a separate process (spawned: a fresh interpreter, its own heap).
+
+    Why separate processes: an allocator setting, a heap grown by another library's step, or oneDNN's caches would
+    otherwise carry over between the libraries of one process (measured: seqlab's fp32 step under the AVX2 caps ran
+    392 ms beside HF in one process, 417 ms alone). The parent still interleaves the timings (A B A B ...), so a
+    drift in the machine's speed hits every library alike.
+    """
+
+    def __init__(self, name: str, precision: str, args) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_worker_main, args=(child, name, precision, args), daemon=True)
+        self.proc.start()
+        self.plan = self.conn.recv()
+
+    def time_steps(self, n: int) -> float:
+        self.conn.send(n)
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--d-model", type=int, default=256)
@@ -206,33 +259,17 @@ def main() -> None:
     tokens = args.batch_size * args.seq_len
     peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
     results, plans = [], {}
+    n_params = build_pair(args)[2]
     for precision in args.precisions.split(","):
-        ours, hf, n_params = build_pair(args)
-        fused, _, _ = build_pair(args)
-        accel, _, _ = build_pair(args)
-        accelerate(accel, "train", rows=tokens, dtype=None)
-        plans[precision] = accel.accel_plan.summary()
-        libs = {"seqlab": make_step("seqlab", ours, precision, args.vocab),
-                "seqlab+fused": make_step("seqlab", fused, precision, args.vocab, fused=True),
-                "seqlab+accel": make_step("seqlab", accel, precision, args.vocab, fused=True),
-                "hf": make_step("hf", hf, precision, args.vocab)}
-        if args.compile:
-            ours_c, _, _ = build_pair(args)
-            accelerate(ours_c, "train", rows=tokens, dtype=None)
-            libs["seqlab+accel+compile"] = make_step("seqlab", ours_c, precision, args.vocab, compiled=True,
-                                                     fused=True)
-        g = torch.Generator().manual_seed(0)
-        batches = [torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=g) for _ in range(4)]
-        for step in libs.values():  # warm up (oneDNN primitive creation, compile)
-            for b in batches[:2]:
-                step(b)
+        libs = ["seqlab", "seqlab+fused", "seqlab+accel", "hf"] + (["seqlab+accel+compile"] if args.compile else [])
+        workers = {name: Worker(name, precision, args) for name in libs}
+        plans[precision] = workers["seqlab+accel"].plan
         times: dict[str, list[float]] = {k: [] for k in libs}
         for r in range(args.reps):
-            for name, step in (libs.items() if r % 2 == 0 else reversed(list(libs.items()))):
-                t = time.perf_counter()
-                for i in range(args.steps):
-                    step(batches[i % len(batches)])
-                times[name].append((time.perf_counter() - t) / args.steps)
+            for name in (libs if r % 2 == 0 else libs[::-1]):  # one library at a time: the others wait idle
+                times[name].append(workers[name].time_steps(args.steps))
+        for w in workers.values():
+            w.close()
         for name, ts in times.items():
             sec = statistics.median(ts)
             tok_s = tokens / sec

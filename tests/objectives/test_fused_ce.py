@@ -70,3 +70,37 @@ def test_bf16_logits_give_the_fp32_loss_and_autocasts_gradient():
     # one bf16 rounding of softmax - onehot, then the scale: within a bf16 ulp of autocast's gradient
     torch.testing.assert_close(a.grad.float(), b.grad.float(), atol=2e-3, rtol=1e-2)
     assert a.grad[1, :4].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_steps_reuse_the_gradient_buffer_without_clobbering_a_held_one(dtype):
+    """The softmax / gradient tensors come from a pool and are handed to the next step once free; a gradient that
+    something still holds (a hook here) must keep its values when the next step runs."""
+    torch.manual_seed(2)
+    held = []
+    first = torch.randn(5, 40, dtype=dtype, requires_grad=True)
+    h = first * 1.0
+    h.register_hook(lambda g: held.append(g))  # keeps the logits' gradient alive past the backward
+    labels = torch.randint(0, 40, (5,))
+    token_cross_entropy(h, labels)[0].backward()
+    kept = held[0].clone()
+    for _ in range(2):  # later steps of the same shape
+        nxt = torch.randn(5, 40, dtype=dtype, requires_grad=True)
+        loss, _ = token_cross_entropy(nxt, torch.randint(0, 40, (5,)))
+        ref_logits = nxt.detach().float().requires_grad_()
+        ref = F.cross_entropy(ref_logits, torch.zeros(5, dtype=torch.long))  # (only its graph shape matters)
+        loss.backward()
+        assert held[0].data_ptr() != nxt.grad.data_ptr()
+    assert torch.equal(held[0], kept)
+
+
+def test_a_free_gradient_buffer_is_reused():
+    from seqlab.objectives import loss as loss_module
+
+    ptrs = []
+    for _ in range(3):
+        logits = torch.randn(6, 30, requires_grad=True)
+        out = logits * 1.0
+        token_cross_entropy(out, torch.randint(0, 30, (6,)))[0].backward()
+        ptrs.append(loss_module._SCRATCH.take((6, 30), torch.float32).data_ptr())
+    assert len(set(ptrs)) == 1

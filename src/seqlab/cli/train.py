@@ -31,6 +31,7 @@ from seqlab.io.checkpoint import load_pretrained
 from seqlab.objectives import OBJECTIVES
 from seqlab.runtime.dist import resolve_device
 from seqlab.runtime.files import atomic_write_text, check_writable_file, ensure_writable_dir
+from seqlab.runtime.memory import keep_freed_blocks
 from seqlab.runtime.rundir import claim_run_dir
 from seqlab.train.config import TrainConfig, read_run_config
 from seqlab.train.demo import run_demo as demo
@@ -180,6 +181,7 @@ def run_train(args: argparse.Namespace) -> int:
     run = build_run(cfg, resume=args.resume, load_folder=_load_model_folder)
     if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
         accelerate(run.model, "train", rows=cfg.batch_size * cfg.seq_len, dtype=None)  # same Parameters, routes only
+        keep_freed_blocks()  # each step reuses the last step's pages instead of faulting in fresh ones
     trainer = Trainer(cfg, run.model, run.objective, run.train_data, run.val_data, tokenizer=run.tokenizer,
                       resume=args.resume, tensorboard_dir=args.tensorboard)
     try:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from seqlab.data.collate import IGNORE_INDEX
+from seqlab.runtime.memory import ScratchPool
 
 __all__ = ["IGNORE_INDEX", "ObjectiveOutput", "token_cross_entropy", "sequence_logprobs", "count_bytes"]
 
@@ -65,6 +66,21 @@ def token_cross_entropy(logits: Tensor, labels: Tensor) -> tuple[Tensor, int]:
 
 
 _TINY_PROB = 1e-30
+# The [N, V] softmax and gradient of the fused CE, the largest tensors of a training step, reused from one step to
+# the next while free (``runtime.memory.ScratchPool``: a fresh one costs its page faults every step).
+_SCRATCH = ScratchPool()
+
+
+def _softmax_fp32(logits: Tensor) -> Tensor:
+    """softmax(logits) in fp32, in a pooled tensor: fp32 logits go straight in; bf16 ones are widened into it first
+    (``torch.softmax(dtype=float32)`` on the CPU would make that fp32 copy and a second tensor for the result)."""
+    if torch.compiler.is_compiling():  # a traced graph plans its own buffers
+        return torch.softmax(logits, dim=-1, dtype=torch.float32)
+    out = _SCRATCH.take(logits.shape, torch.float32)
+    if logits.dtype == torch.float32:
+        return torch.ops.aten._softmax.out(logits, -1, False, out=out)
+    out.copy_(logits)
+    return torch.ops.aten._softmax.out(out, -1, False, out=out)  # in place: elementwise per row, alias-safe
 
 
 class _CrossEntropySum(torch.autograd.Function):
@@ -83,7 +99,7 @@ class _CrossEntropySum(torch.autograd.Function):
     def forward(ctx, logits: Tensor, labels: Tensor) -> Tensor:
         valid = labels != IGNORE_INDEX
         safe = labels.masked_fill(~valid, 0).unsqueeze(1)
-        grad = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        grad = _softmax_fp32(logits)
         p = grad.gather(1, safe).squeeze(1)
         # -log p is exact to fp32 rounding while p is a normal number; rows whose p underflows (a target more than
         # ~69 nats below the best logit) take log_softmax's exact value instead
@@ -97,7 +113,10 @@ class _CrossEntropySum(torch.autograd.Function):
         ignored = (~valid).nonzero().squeeze(1)
         if ignored.numel():
             grad.index_fill_(0, ignored, 0.0)  # touches the ignored rows only
-        ctx.save_for_backward(grad.to(logits.dtype))
+        if logits.dtype != grad.dtype:
+            grad = (grad.to(logits.dtype) if torch.compiler.is_compiling()
+                    else _SCRATCH.take(grad.shape, logits.dtype).copy_(grad))
+        ctx.save_for_backward(grad)
         ctx.used = False
         return loss
 
