@@ -15,9 +15,10 @@ from pathlib import Path
 from seqlab.nnqs.ansatz import AnsatzConfig
 from seqlab.nnqs.driver import RunResult, run_vmc
 from seqlab.nnqs.molecules import UNITS, get_molecule
-from seqlab.nnqs.recipe import RANDOM_START, WARM_START, Recipe, recipe_for
+from seqlab.nnqs.recipe import RANDOM_START, WARM_START, Recipe, default_steps, recipe_for
 from seqlab.nnqs.references import prepare
 from seqlab.nnqs.sampler import SamplerConfig
+from seqlab.nnqs.space import n_configurations
 from seqlab.nnqs.vmc import ESTIMATORS, HARTREE_TO_MHA, VMCConfig
 from seqlab.nnqs.vmc_checkpoint import check_new_run, existing_run
 from seqlab.nnqs.warm_start import METHODS as WARM_START_METHODS, WarmStartConfig, target_state
@@ -29,13 +30,13 @@ from seqlab.runtime.signals import GracefulStop
 
 EPILOG = """\
 Expected run time with the defaults (CISD warm start, exact sum; 1 thread, CPU time; see docs/nnqs.md):
-  h2 ~10 s, lih ~20 s (0.03-0.11 mHa, 3 seeds), h2o ~25 s (0.19 mHa, seed 0).
-  n2 (20 spin orbitals, 14400 determinants): ~0.4 s/step on the exact sum; --steps 4000 for the last mHa
-  (docs/nnqs.md has the measured errors). c2 (44100 determinants): ~1 s/step, not measured to the end.
+  h2 ~10 s, lih ~30 s (0.07-0.11 mHa, 3 seeds), h2o ~40 s (0.20-0.31 mHa, 3 seeds).
+  n2 (20 spin orbitals, 14400 determinants): ~0.55 s/step on the exact sum, 2500 steps by default for a sector
+  this size; seed 0 reached 1.34 mHa in 23 min (docs/nnqs.md). c2 (44100 determinants): ~1 s/step.
   --warm-start none: the earlier random-start recipe with entropy annealing.
 Examples:
   seqlab nnqs --molecule h2o
-  seqlab nnqs --molecule n2 --steps 4000
+  seqlab nnqs --molecule n2
   seqlab nnqs --atom "Li 0 0 0; H 0 0 1.6" --basis sto-3g --out runs/lih16
   seqlab nnqs --atom "O 0 0 0; H 0 0 0.97" --spin 1          # OH radical (ROHF orbitals)
   torchrun --standalone --nproc-per-node 2 -m seqlab.cli.nnqs --molecule lih   # samples split over 2 processes
@@ -58,7 +59,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--basis", default="sto-3g")
     p.add_argument("--charge", type=int, default=None)
     p.add_argument("--spin", type=int, default=None, help="2S = N_alpha - N_beta (default 0)")
-    p.add_argument("--steps", type=int, default=400, help="VMC optimizer steps (default 400)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="VMC optimizer steps (default by the sector's size: 400 below 1000 determinants, 1000 below "
+                        "10000, 2500 from there)")
     p.add_argument("--samples", type=float, default=1e10,
                    help="samples per step N_s (default 1e10; cost grows with the *unique* samples only)")
     p.add_argument("--samples-final", type=float, default=None,
@@ -227,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
         refs, ham = system.references, system.hamiltonian
         warm = target_state(args.warm_start, system.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
         fill_recipe(args, recipe_for("none" if warm is None else warm.method))
+        if args.steps is None:
+            args.steps = default_steps(n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta))
         cfg = VMCConfig(steps=args.steps, samples=samples, lr=args.lr,
                         samples_final=None if args.samples_final is None else int(args.samples_final),
                         warmup=args.warmup, anneal=args.anneal, min_lr_ratio=args.min_lr_ratio,

@@ -6,11 +6,18 @@ The two starts need different optimisers, which is why these are not single defa
   learning rate, learns the sign structure before P concentrates near Hartree-Fock (docs/nnqs.md, "Training
   recipe"). Adam's beta2 0.99 follows the fast-changing gradients of the annealing phase.
 - **Warm start** (CISD or HF fitted first): the signs and the largest amplitudes are already right, so there is no
-  annealing, and the phase learns at the amplitudes' rate. Adam moves every parameter by about the learning rate
+  annealing. The phase MLP still learns at 10x: CISD has no triples or quadruples, whose signs VMC must find (N2
+  seed 0, 2500 steps: 1.34 mHa with 10x; with 1x the run flattened at 2.06 mHa after 2975 steps, with 122 of the
+  650 configurations of c^2 > 1e-8 carrying the wrong sign). Adam moves every parameter by about the learning rate
   per step whatever its gradient, which a state fitted to 1e-4 infidelity cannot take at 5e-3 (measured on N2:
   lr 1e-2 collapsed onto HF within 10 steps even with exact gradients; 1e-3 and 2e-3 descended, 2e-3 faster). A
   long warmup (40 steps) and beta2 0.999 let Adam's second moments settle before the full rate is reached, and the
   cosine ends at 2 % of it, where the last mHa are gained without the oscillation of a constant rate.
+
+The number of steps grows with the sector (``default_steps``), because the cosine decay has to be stretched over
+enough steps for the last mHa: LiH and H2O (225 and 441 determinants) end at 0.03-0.3 mHa after 400 steps, NH3
+(3 136) ended at 1.39 and 1.59 mHa after 400 (too close to 1.6), and N2 (14 400) first crossed 1.6 mHa after about
+1 450 steps. Hence 400 steps below 1 000 determinants, 1 000 below 10 000, and 2 500 from there.
 """
 
 from __future__ import annotations
@@ -29,7 +36,17 @@ class Recipe:
 
 
 RANDOM_START = Recipe(lr=5e-3, warmup=20, anneal=0.07, phase_lr_scale=10.0, beta2=0.99, min_lr_ratio=0.05)
-WARM_START = Recipe(lr=2e-3, warmup=40, anneal=0.0, phase_lr_scale=1.0, beta2=0.999, min_lr_ratio=0.02)
+WARM_START = Recipe(lr=2e-3, warmup=40, anneal=0.0, phase_lr_scale=10.0, beta2=0.999, min_lr_ratio=0.02)
+
+
+# (determinants in the (N_alpha, N_beta) sector up to which, VMC steps); larger sectors get LONG_RUN_STEPS
+STEPS_BY_SECTOR = ((999, 400), (9_999, 1000))
+LONG_RUN_STEPS = 2500
+
+
+def default_steps(n_configurations: int) -> int:
+    """VMC steps when ``--steps`` is left out: 400 below 1 000 determinants, 1 000 below 10 000, 2 500 from there."""
+    return next((steps for limit, steps in STEPS_BY_SECTOR if n_configurations <= limit), LONG_RUN_STEPS)
 
 
 def recipe_for(warm_start: str) -> Recipe:

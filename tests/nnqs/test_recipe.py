@@ -1,0 +1,22 @@
+"""The optimiser recipe and run length that ``seqlab nnqs`` takes when flags are left out."""
+
+from __future__ import annotations
+
+from seqlab.nnqs.recipe import RANDOM_START, WARM_START, default_steps, recipe_for
+from seqlab.nnqs.space import n_configurations
+
+
+def test_run_length_follows_the_sector_size():
+    # STO-3G sectors: H2O has 7 orbitals and 5+5 electrons, NH3 8 and 5+5, N2 10 and 7+7, C2 10 and 6+6
+    assert default_steps(n_configurations(2, 1, 1)) == 400
+    assert default_steps(n_configurations(7, 5, 5)) == 400  # 441 determinants
+    assert default_steps(n_configurations(8, 5, 5)) == 1000  # 3 136
+    assert default_steps(n_configurations(10, 7, 7)) == 2500  # 14 400
+    assert default_steps(n_configurations(10, 6, 6)) == 2500  # 44 100
+    assert [default_steps(n) for n in (999, 1000, 9999, 10000)] == [400, 1000, 1000, 2500]
+
+
+def test_each_start_gets_its_own_recipe():
+    assert recipe_for("none") is RANDOM_START and recipe_for("cisd") is recipe_for("hf") is WARM_START
+    assert WARM_START.anneal == 0 and RANDOM_START.anneal > 0
+    assert WARM_START.lr < RANDOM_START.lr  # a fitted state is kicked out by the random start's rate
