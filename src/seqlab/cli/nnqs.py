@@ -179,7 +179,7 @@ def fill_recipe(args: argparse.Namespace, recipe: Recipe) -> None:
 
 
 def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, ansatz: AnsatzConfig,
-                  world_size: int, wall_s: float, t_ref: float) -> dict:
+                  world_size: int, wall_s: float, t_ref: float, cpu_s: float) -> dict:
     """result.json: the run's inputs, the NNQS energy and every reference on the same orbitals."""
     fin = res.final
 
@@ -201,7 +201,8 @@ def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, a
         "ansatz": ansatz.__dict__, "lr": args.lr, "warmup": args.warmup,
         "min_lr_ratio": args.min_lr_ratio, "phase_lr_scale": args.phase_lr_scale, "beta2": args.beta2,
         "anneal": args.anneal, "sr": args.sr,
-        "warm_start": res.warm_start, "kv_cache": not args.no_cache, "wall_time_s": wall_s, "vmc_time_s": res.wall_time_s,
+        "warm_start": res.warm_start, "kv_cache": not args.no_cache, "wall_time_s": wall_s, "cpu_time_s": cpu_s,
+        "vmc_time_s": res.wall_time_s,
         "reference_time_s": t_ref, "notes": refs.notes,
     }
 
@@ -224,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         if moved is not None:
             print(f"[seqlab] --overwrite: the previous run in {out} was moved to {moved}", file=sys.stderr)
         barrier(dist)  # no rank looks at --out before an old run has left it
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         system = prepare(mol, fci=not args.no_fci, cc=not args.no_cc)
         t_ref = time.perf_counter() - t0
         refs, ham = system.references, system.hamiltonian
@@ -263,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         if not dist.is_main:
             return 0
         result = result_record(args, mol, ham, refs, res, samples, ansatz, dist.world_size,
-                               time.perf_counter() - t0, t_ref)
+                               time.perf_counter() - t0, t_ref, time.process_time() - cpu0)
         atomic_write_text(out / "result.json", json.dumps(result, indent=2) + "\n")
         print(final_table(result))
         print(f"wrote {out / 'result.json'}, {out / 'energies.jsonl'}, {out / 'convergence.png'}"
