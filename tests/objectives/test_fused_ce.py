@@ -78,10 +78,10 @@ def test_steps_reuse_the_gradient_buffer_without_clobbering_a_held_one(dtype):
     something still holds (a hook here) must keep its values when the next step runs."""
     torch.manual_seed(2)
     held = []
-    first = torch.randn(5, 40, dtype=dtype, requires_grad=True)
+    first = torch.randn(1, 5, 40, dtype=dtype, requires_grad=True)
     h = first * 1.0
-    h.register_hook(lambda g: held.append(g))  # keeps the logits' gradient alive past the backward
-    labels = torch.randint(0, 40, (5,))
+    h.register_hook(lambda g: held.append(g))  # keeps the logits' gradient (a view of the pooled one) alive
+    labels = torch.randint(0, 40, (1, 5))
     token_cross_entropy(h, labels)[0].backward()
     kept = held[0].clone()
     for _ in range(2):  # later steps of the same shape

@@ -141,6 +141,15 @@ def move_to_huge_pages(tensors: list[torch.Tensor], align: int = 64) -> int:
     return offset
 
 
+def _held_elsewhere(buf: torch.Tensor) -> bool:
+    """Whether anything but the pool references ``buf``: Python (more references than the pool's dict entry, the
+    caller's variable and getrefcount's argument), C++ (autograd's saved tensors and gradients hold the TensorImpl,
+    not the Python object), or a view of it (its own TensorImpl over the same storage; ``untyped_storage()``
+    itself adds one reference to the count it reads)."""
+    return (sys.getrefcount(buf) > 4 or buf._use_count() > 1
+            or torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2)
+
+
 class ScratchPool:
     """Large step-sized tensors handed out again once nobody but the pool holds them.
 
@@ -158,9 +167,7 @@ class ScratchPool:
         """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype``, reused where it is free."""
         key = (tuple(shape), dtype)
         buf = self._buffers.get(key)
-        # held elsewhere: by Python (more references than the pool's entry, ``buf`` and getrefcount's argument) or
-        # by C++ (autograd's saved tensors and gradients hold the TensorImpl, not the Python object)
-        if buf is None or sys.getrefcount(buf) > 3 or buf._use_count() > 1:
+        if buf is None or _held_elsewhere(buf):
             buf = self._buffers[key] = torch.empty(shape, dtype=dtype)
         return buf
 
