@@ -1,4 +1,4 @@
-"""seqlab nnqs side by side with NetKet on the same molecules, orbitals and wall-time budget.
+"""seqlab nnqs side by side with NetKet on the same molecules, orbitals and CPU-time budget.
 
     python bench/nnqs_vs_netket.py --netket-python /path/to/venv/bin/python [--molecules lih h2o n2] [--seed 0]
 
@@ -18,13 +18,15 @@ Workarounds for the peer, as a new user would need them:
   (NetKet 3.23): the bench caches the sparse matrix by the operator's identity instead.
 - NetKet's autoregressive networks refuse constrained Hilbert spaces, so the backflow determinant is the ansatz.
 
-Error = E - E_FCI of the final state (both exact sums: variational), CPU time after the imports (SCF, references
-and compilation included), parameters; NetKet's error after every step against its CPU time (``trace``). Writes ``bench/results/nnqs_vs_netket.json``.
+Error = E - E_FCI (both exact sums: variational; NetKet's is the state it had when the budget ran out), CPU time
+after the imports (SCF, references and compilation included; not NetKet's per-step energy read-out for the trace),
+parameters; NetKet's error after every step against its CPU time (``trace``). Writes ``bench/results/nnqs_vs_netket.json``.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -75,17 +77,23 @@ class Backflow(nn.Module):
 
 vs = nk.vqs.FullSumState(hi, Backflow(), seed=seed)
 driver = nk.driver.VMC(ha, optax.sgd(lr), variational_state=vs, preconditioner=nk.optimizer.SR(diag_shift=shift))
-trace, step, best = [], 0, float("inf")
+trace, step, best, readout = [], 0, float("inf"), 0.0
 t_setup = time.process_time() - cpu0  # SCF and FCI reference, operator (JAX compiles in the first step)
-while time.process_time() - cpu0 < budget:
+spent = 0.0  # CPU seconds of NetKet's own work; the per-step energy read-out for the trace is not charged
+while spent < budget:
     driver.run(1, show_progress=False)
     step += 1
+    spent = time.process_time() - cpu0 - readout
+    r0 = time.process_time()
     err = (float(vs.expect(ha).mean.real) - e_fci) * 1000
+    readout += time.process_time() - r0
     best = min(best, err)
-    trace.append([round(time.process_time() - cpu0, 2), err])
-print(json.dumps({"e_fci": e_fci, "error_mha": trace[-1][1] if trace else None,
+    trace.append([round(spent, 2), err])
+at_budget = [e for t, e in trace if t <= budget]  # the state NetKet had when the budget ran out
+print(json.dumps({"e_fci": e_fci, "error_mha": at_budget[-1] if at_budget else None,
+                  "error_after_last_step_mha": trace[-1][1] if trace else None,
                   "best_error_mha": best if trace else None, "setup_s": t_setup,
-                  "steps": step, "cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - t0,
+                  "steps": step, "cpu_s": spent, "wall_s": time.perf_counter() - t0,
                   "n_parameters": vs.n_parameters,
                   "sector_size": int(hi.n_states), "trace": trace, "hidden": hidden, "lr": lr, "diag_shift": shift}))
 """
@@ -109,10 +117,12 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.05, help="NetKet SGD learning rate (with SR)")
     ap.add_argument("--diag-shift", type=float, default=1e-4, help="NetKet SR diagonal shift")
     ap.add_argument("--budget-scale", type=float, default=1.0,
-                    help="NetKet's wall time as a multiple of seqlab's (1 = equal wall time, the comparison)")
+                    help="NetKet's CPU time as a multiple of seqlab's (1 = equal time, the comparison)")
     ap.add_argument("--out", default="runs/bench_netket")
     ap.add_argument("--json", default="bench/results/nnqs_vs_netket.json")
     a = ap.parse_args()
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ[var] = "1"  # both sides on one thread, PySCF's BLAS and NetKet's numba included
     rows, out = [], Path(a.out) / time.strftime("%Y%m%d-%H%M%S")
     for name in a.molecules:
         ours = run_cli(["--molecule", name, "--seed", str(a.seed)], out / f"{name}-s{a.seed}", threads=1)

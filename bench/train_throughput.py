@@ -221,6 +221,7 @@ class Worker:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child, name, precision, args), daemon=True)
         self.proc.start()
+        child.close()  # the worker holds the other end: if it dies, recv() raises EOFError instead of waiting
         self.plan = self.conn.recv()
 
     def time_steps(self, n: int) -> float:
@@ -228,8 +229,13 @@ class Worker:
         return self.conn.recv()
 
     def close(self) -> None:
-        self.conn.send(None)
-        self.proc.join()
+        try:
+            self.conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.terminate()
 
 
 def main() -> None:
@@ -262,14 +268,18 @@ def main() -> None:
     n_params = build_pair(args)[2]
     for precision in args.precisions.split(","):
         libs = ["seqlab", "seqlab+fused", "seqlab+accel", "hf"] + (["seqlab+accel+compile"] if args.compile else [])
-        workers = {name: Worker(name, precision, args) for name in libs}
-        plans[precision] = workers["seqlab+accel"].plan
-        times: dict[str, list[float]] = {k: [] for k in libs}
-        for r in range(args.reps):
-            for name in (libs if r % 2 == 0 else libs[::-1]):  # one library at a time: the others wait idle
-                times[name].append(workers[name].time_steps(args.steps))
-        for w in workers.values():
-            w.close()
+        workers: dict[str, Worker] = {}
+        try:
+            for name in libs:
+                workers[name] = Worker(name, precision, args)
+            plans[precision] = workers["seqlab+accel"].plan
+            times: dict[str, list[float]] = {k: [] for k in libs}
+            for r in range(args.reps):
+                for name in (libs if r % 2 == 0 else libs[::-1]):  # one library at a time: the others wait idle
+                    times[name].append(workers[name].time_steps(args.steps))
+        finally:
+            for w in workers.values():
+                w.close()
         for name, ts in times.items():
             sec = statistics.median(ts)
             tok_s = tokens / sec

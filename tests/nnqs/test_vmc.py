@@ -86,6 +86,16 @@ def test_cli_refuses_an_existing_run_unless_resumed_or_moved_aside(tmp_path, cap
     assert "moved to" in capsys.readouterr().err
 
 
+def test_resume_without_steps_keeps_the_run_length_it_started_with(tmp_path):
+    """--steps left out on --resume takes the checkpoint's run length, not the sector's default (400 for H2)."""
+    out = tmp_path / "run"
+    argv = ["--molecule", "h2", "--out", str(out), "--quiet", "--no-cc", "--warm-start-steps", "5"]
+    assert _cli([*argv, "--steps", "3"]) == 0
+    assert _cli([*argv, "--resume"]) == 0
+    assert json.loads((out / "result.json").read_text())["steps"] == 3
+    assert len((out / "energies.jsonl").read_text().splitlines()) == 3
+
+
 @pytest.mark.slow
 def test_vmc_lih_reaches_chemical_accuracy(system):
     s = system("lih")

@@ -106,11 +106,16 @@ def test_scratch_pool_reuses_free_tensors_and_never_hands_out_a_held_one():
     assert b.data_ptr() == ptr  # free again: the same storage
     c = pool.take((64, 32), torch.float32)  # ``b`` is still held here
     assert c.data_ptr() != b.data_ptr()
-    view = pool.take((16, 8), torch.float32)[:4]  # only a view of the pooled tensor survives
-    assert pool.take((16, 8), torch.float32).data_ptr() != view.data_ptr()
-    assert pool.take((64, 32), torch.bfloat16).dtype == torch.bfloat16  # keyed by dtype as well as shape
+    for alias in (lambda t: t[:4], lambda t: t.detach(), lambda t: t.view(-1)):  # views and aliases count too
+        kept = alias(pool.take((16, 8), torch.float32))
+        assert pool.take((16, 8), torch.float32).data_ptr() != kept.data_ptr()
+    assert pool.take((64, 32), torch.bfloat16).dtype == torch.bfloat16  # keyed by dtype
+    d = pool.take((32, 32), torch.float32)
+    assert d.shape == (32, 32)  # another shape replaces the kept tensor
+    del d
+    assert len(pool._buffers) == 2
     pool.clear()
-    assert pool.take((64, 32), torch.float32).data_ptr() not in (c.data_ptr(), b.data_ptr())
+    assert not pool._buffers
 
 
 _STEP_FAULTS = """

@@ -20,7 +20,7 @@ from seqlab.nnqs.references import prepare
 from seqlab.nnqs.sampler import SamplerConfig
 from seqlab.nnqs.space import n_configurations
 from seqlab.nnqs.vmc import ESTIMATORS, HARTREE_TO_MHA, VMCConfig
-from seqlab.nnqs.vmc_checkpoint import check_new_run, existing_run
+from seqlab.nnqs.vmc_checkpoint import check_new_run, checkpointed_steps, existing_run
 from seqlab.nnqs.warm_start import METHODS as WARM_START_METHODS, WarmStartConfig, target_state
 from seqlab.runtime import atomic_write_text, progress as progress_bar
 from seqlab.runtime.dist import barrier, init_distributed, set_cpu_threads, shutdown
@@ -231,8 +231,9 @@ def run(args: argparse.Namespace) -> int:
         refs, ham = system.references, system.hamiltonian
         warm = target_state(args.warm_start, system.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
         fill_recipe(args, recipe_for("none" if warm is None else warm.method))
-        if args.steps is None:
-            args.steps = default_steps(n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta))
+        if args.steps is None:  # a resumed run keeps the length it was started with
+            args.steps = ((checkpointed_steps(out) if args.resume else None)
+                          or default_steps(n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)))
         cfg = VMCConfig(steps=args.steps, samples=samples, lr=args.lr,
                         samples_final=None if args.samples_final is None else int(args.samples_final),
                         warmup=args.warmup, anneal=args.anneal, min_lr_ratio=args.min_lr_ratio,

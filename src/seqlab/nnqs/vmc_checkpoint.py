@@ -65,6 +65,15 @@ def existing_run(out: Path) -> Path | None:
     return first_existing(out, (LEGACY_CHECKPOINT, *RUN_FILES))
 
 
+def checkpointed_steps(out: Path) -> int | None:
+    """The run length (``VMCConfig.steps``) the latest checkpoint in ``out`` was written under, if there is one: a
+    resumed run keeps its schedule when ``--steps`` is left out, whatever today's default for its sector."""
+    store = checkpoint_store(out, None)
+    latest = store.latest()
+    steps = store.read_state(latest).get("vmc", {}).get("steps") if latest is not None else None
+    return int(steps) if steps is not None else None
+
+
 def check_new_run(out: Path, resume: bool) -> None:
     """Refuse to mix two runs in one folder: a new run needs a fresh ``out`` (or ``--resume``, or ``--overwrite``)."""
     if not resume:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import mmap
-import sys
 from functools import lru_cache
 
 import torch
@@ -141,35 +140,32 @@ def move_to_huge_pages(tensors: list[torch.Tensor], align: int = 64) -> int:
     return offset
 
 
-def _held_elsewhere(buf: torch.Tensor) -> bool:
-    """Whether anything but the pool references ``buf``: Python (more references than the pool's dict entry, the
-    caller's variable and getrefcount's argument), C++ (autograd's saved tensors and gradients hold the TensorImpl,
-    not the Python object), or a view of it (its own TensorImpl over the same storage; ``untyped_storage()``
-    itself adds one reference to the count it reads)."""
-    return (sys.getrefcount(buf) > 4 or buf._use_count() > 1
-            or torch._C._storage_Use_Count(buf.untyped_storage()._cdata) > 2)
+def _storage_refs(t: torch.Tensor) -> int:
+    """References to ``t``'s storage, less the one ``untyped_storage()`` itself adds while this reads it."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
 
 
 class ScratchPool:
-    """Large step-sized tensors handed out again once nobody but the pool holds them.
+    """Large step-sized CPU tensors handed out again once nobody but the pool holds them.
 
     Why: glibc maps every block above its mmap threshold (32 MiB at most) afresh and the kernel faults its pages in
     on first touch, on every call: filling a fresh 2048 x 8192 fp32 tensor (64 MiB) costs ~12 ms on 2 cores here,
     a reused one ~1.5 ms. A training step builds the same large tensors (the loss's softmax) every step, so the
-    pool keeps one per shape and dtype and gives it back while no other reference to it is alive (a tensor still
-    held elsewhere, saved for a backward pass or kept by a hook, is never handed out twice: a new one is made).
+    pool keeps one per dtype and gives it back while nothing else uses its storage. The pool's own tensor never
+    leaves it: callers get an alias over the same storage, so any holder (the alias, a view of it, autograd's saved
+    copy of it) counts against the storage, and a tensor still held is never handed out twice (a new one is made).
+    A different shape replaces the kept tensor, so batches of changing lengths never pile up buffers.
     """
 
     def __init__(self) -> None:
-        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype``, reused where it is free."""
-        key = (tuple(shape), dtype)
-        buf = self._buffers.get(key)
-        if buf is None or _held_elsewhere(buf):
-            buf = self._buffers[key] = torch.empty(shape, dtype=dtype)
-        return buf
+        buf = self._buffers.get(dtype)
+        if buf is None or buf.shape != tuple(shape) or _storage_refs(buf) > 1:
+            buf = self._buffers[dtype] = torch.empty(shape, dtype=dtype)
+        return buf.detach()  # an alias: what the caller holds is visible in the storage's count
 
     def clear(self) -> None:
         """Drop the pool's references (memory is freed once the last other holder lets go)."""
