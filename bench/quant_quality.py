@@ -1,6 +1,6 @@
 """Quality of the quantised schemes: SmolLM2-135M-Instruct perplexity / bits per byte on two held-out texts.
 
-    python bench/quant_quality.py [--max-bytes 8000] [--window 512] [--demo RUN_DIR]
+    python bench/quant_quality.py [--max-bytes 8000] [--window 512] [--demo RUN_DIR [--demo-only]]
 
 Rows: the dense reference (the GGUF values in fp32), ``quant="gguf"`` (the file's Q4_1/Q8_0 blocks kept), int8
 (groups of 32, the default, and per channel) and int4 at groups 32/64/128, re-quantised from the reference (LM
@@ -76,8 +76,14 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=24)
     ap.add_argument("--demo", help="a `seqlab demo` run directory: adds its model's rows")
+    ap.add_argument("--demo-only", action="store_true", help="only the --demo model's rows (no SmolLM2)")
     ap.add_argument("--out", default="bench/results/quant_quality.json")
     args = ap.parse_args(argv)
+    if args.demo_only:
+        if not args.demo:
+            ap.error("--demo-only needs --demo RUN_DIR")
+        atomic_write_text(args.out, json.dumps({"demo": demo_rows(args.demo)}, indent=2) + "\n")
+        return 0
     path = packaged_smollm2()
     dense, tok = load_gguf(path)
     skipped: dict[str, str] = {}
