@@ -30,9 +30,9 @@ from seqlab.runtime.signals import GracefulStop
 
 EPILOG = """\
 Expected run time with the defaults (CISD warm start, exact sum; 1 thread, CPU time; see docs/nnqs.md):
-  h2 ~10 s, lih ~30 s (0.07-0.11 mHa, 3 seeds), h2o ~40 s (0.20-0.31 mHa, 3 seeds).
-  n2 (20 spin orbitals, 14400 determinants): ~0.55 s/step on the exact sum, 2500 steps by default for a sector
-  this size; seed 0 reached 1.34 mHa in 23 min (docs/nnqs.md). c2 (44100 determinants): ~1 s/step.
+  h2 ~10 s, lih ~20 s (0.07-0.11 mHa, 3 seeds), h2o ~25 s (0.20-0.31 mHa, 3 seeds), nh3 ~3 min (1000 steps,
+  0.7-1.2 mHa, 3 seeds). n2 (20 spin orbitals, 14400 determinants): 2500 steps, ~24 min (0.55 s/step); seeds
+  0/1/2 ended at 1.34 / 3.90 / 1.66 mHa. c2 (44100 determinants): ~1.06 s/step, 15.9 mHa at step 1602 (open).
   --warm-start none: the earlier random-start recipe with entropy annealing.
 Examples:
   seqlab nnqs --molecule h2o
