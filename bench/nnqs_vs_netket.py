@@ -20,7 +20,8 @@ Workarounds for the peer, as a new user would need them:
 
 Error = E - E_FCI (both exact sums: variational; NetKet's is the state it had when the budget ran out), CPU time
 after the imports (SCF, references and compilation included; not NetKet's per-step energy read-out for the trace),
-parameters; NetKet's error after every step against its CPU time (``trace``). Writes ``bench/results/nnqs_vs_netket.json``.
+parameters; NetKet's error after every step against its CPU time (``trace``).
+Writes ``bench/results/nnqs_vs_netket.json``.
 """
 from __future__ import annotations
 
@@ -47,7 +48,9 @@ import netket.vqs.full_summ.expect as full_sum_expect
 from pyscf import fci, gto, scf
 
 t0, cpu0 = time.perf_counter(), time.process_time()  # after the imports, as seqlab's cpu_time_s
-atom, basis, budget, seed, hidden, lr, shift = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), float(sys.argv[6]), float(sys.argv[7])
+atom, basis = sys.argv[1], sys.argv[2]
+budget, seed, hidden = float(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+lr, shift = float(sys.argv[6]), float(sys.argv[7])
 mol = gto.M(atom=atom, basis=basis, unit="angstrom", verbose=0)
 mf = scf.RHF(mol).run()
 e_fci = float(fci.FCI(mf).kernel()[0])
@@ -135,10 +138,10 @@ def main() -> None:
                           a.hidden, a.lr, a.diag_shift)
         if peer["status"] == "ok" and abs(peer["e_fci"] - ours["e_fci"]) > 1e-6:
             peer["status"] = f"different problem: NetKet's PySCF FCI {peer['e_fci']} vs seqlab's {ours['e_fci']}"
-        rows.append({"molecule": name, "seqlab": {k: ours[k] for k in ("error_mha", "cpu_time_s", "wall_time_s", "bench_wall_s",
-                                                                         "n_parameters", "steps", "n_configurations",
-                                                                         "command")},
-                     "netket": peer, "netket_budget_scale": a.budget_scale})
+        kept = ("error_mha", "cpu_time_s", "wall_time_s", "bench_wall_s", "n_parameters", "steps", "n_configurations",
+                "command")
+        rows.append({"molecule": name, "seqlab": {k: ours[k] for k in kept}, "netket": peer,
+                     "netket_budget_scale": a.budget_scale})
         print(f"{name}: seqlab {mha(ours['error_mha'])} mHa in {ours['cpu_time_s']:.0f} s of CPU "
               f"({ours['n_parameters']} parameters); NetKet {peer['status']}"
               + (f" {mha(peer['error_mha'])} mHa (best {mha(peer['best_error_mha'])}) in {peer['cpu_s']:.0f} s of CPU, "

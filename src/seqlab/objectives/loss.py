@@ -71,11 +71,17 @@ _TINY_PROB = 1e-30
 _SCRATCH = ScratchPool()
 
 
+def _pooled(logits: Tensor) -> bool:
+    """Eager CPU work takes its [N, V] tensors from the pool; a traced graph or CUDA's caching allocator plans its
+    own buffers."""
+    return logits.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def _softmax_fp32(logits: Tensor) -> Tensor:
     """softmax(logits) in fp32, in a pooled tensor: fp32 logits go straight in; bf16 ones are widened into it first
     (``torch.softmax(dtype=float32)`` on the CPU would make that fp32 copy and a second tensor for the result)."""
-    if torch.compiler.is_compiling() or logits.device.type != "cpu":  # a traced graph (or CUDA's caching
-        return torch.softmax(logits, dim=-1, dtype=torch.float32)  # allocator) plans its own buffers
+    if not _pooled(logits):
+        return torch.softmax(logits, dim=-1, dtype=torch.float32)
     out = _SCRATCH.take(logits.shape, torch.float32)
     if logits.dtype == torch.float32:
         return torch.ops.aten._softmax.out(logits, -1, False, out=out)
@@ -114,8 +120,7 @@ class _CrossEntropySum(torch.autograd.Function):
         if ignored.numel():
             grad.index_fill_(0, ignored, 0.0)  # touches the ignored rows only
         if logits.dtype != grad.dtype:
-            grad = (grad.to(logits.dtype) if torch.compiler.is_compiling() or logits.device.type != "cpu"
-                    else _SCRATCH.take(grad.shape, logits.dtype).copy_(grad))
+            grad = _SCRATCH.take(grad.shape, logits.dtype).copy_(grad) if _pooled(logits) else grad.to(logits.dtype)
         ctx.save_for_backward(grad)
         ctx.used = False
         return loss

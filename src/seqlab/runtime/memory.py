@@ -54,8 +54,13 @@ def map_large_blocks(threshold_bytes: int = 1 << 20) -> bool:
     (docs/serving.md has the measurement). Fixing the threshold also turns that adjustment off. Process-wide; a
     no-op (False) where the C library has no ``mallopt``.
     """
+    return _mallopt(_M_MMAP_THRESHOLD, threshold_bytes)
+
+
+def _mallopt(param: int, value: int) -> bool:
+    """glibc's ``mallopt(param, value)``; False where it refused or the C library has none."""
     fn = _libc("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
-    return bool(fn(_M_MMAP_THRESHOLD, int(threshold_bytes))) if fn is not None else False
+    return bool(fn(param, int(value))) if fn is not None else False
 
 
 _M_TRIM_THRESHOLD = -1
@@ -73,10 +78,7 @@ def keep_freed_blocks(threshold_bytes: int = 1 << 30) -> bool:
     opposite of :func:`map_large_blocks` (a server of changing shapes); process-wide; False where the C library
     has no ``mallopt``.
     """
-    fn = _libc("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int)
-    if fn is None:
-        return False
-    return bool(fn(_M_MMAP_THRESHOLD, int(threshold_bytes))) and bool(fn(_M_TRIM_THRESHOLD, int(threshold_bytes)))
+    return _mallopt(_M_MMAP_THRESHOLD, threshold_bytes) and _mallopt(_M_TRIM_THRESHOLD, threshold_bytes)
 
 
 _HUGE_PAGE = 2 << 20
