@@ -20,6 +20,7 @@ Columns: ``seqlab`` (the plain model, AdamW foreach, as before), ``seqlab+fused`
     python bench/train_throughput.py                     # fp32 and bf16, default size, native and AVX2 caps
     python bench/train_throughput.py --isa native        # this CPU's own ISA only
     python bench/train_throughput.py --compile           # also seqlab+accel with torch.compile
+    python bench/train_throughput.py --gpt2-small --steps 2 --reps 3   # GPT-2 small's sizes (slow: ~2 s a step)
 Writes bench/results/train_throughput.json.
 """
 
@@ -253,8 +254,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--gemm-table", action="store_true", help="print each weight product's time per library")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "train_throughput.json"))
+    ap.add_argument("--gpt2-small", action="store_true",
+                    help="GPT-2 small's own sizes (d 768, 12 layers, 12 heads, vocab 50257) instead of the d-256 toy")
     add_isa_options(ap)
     args = ap.parse_args()
+    if args.gpt2_small:
+        args.d_model, args.n_layers, args.n_heads, args.vocab = 768, 12, 12, 50257
     if args.isa_child is None:  # the parent: one child per ISA
         run_per_isa(__file__, strip_isa_args(sys.argv[1:]), args.isa, args.out)
         return

@@ -1,4 +1,4 @@
-"""The warm start: PySCF's CISD mapped into seqlab's determinant convention, and the fit that reproduces it."""
+"""The warm start: PySCF's CISD and CCSD mapped into seqlab's determinant convention, and the fit that reproduces it."""
 
 from __future__ import annotations
 
@@ -16,14 +16,20 @@ from seqlab.nnqs.vmc import VMCConfig
 from seqlab.nnqs.warm_start import WarmStartConfig, fit, overlap, pyscf_vector_to_keys, target_state
 
 
-def energy_of(ham, keys: torch.Tensor, coeffs: torch.Tensor) -> float:
-    """<c|H|c> with seqlab's H over the whole sector (c zero off its keys)."""
+def on_sector(ham, keys: torch.Tensor, coeffs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the sector's sorted keys, seqlab's dense H on them, c on them: zero off its keys)."""
     full = torch.sort(tokens_to_keys(all_configurations(ham.n_orb, ham.n_alpha, ham.n_beta))).values
     pos = torch.searchsorted(full, keys)
     assert bool((full[pos] == keys).all())
     v = torch.zeros(len(full), dtype=torch.float64)
     v[pos] = coeffs
-    return float(v @ torch.from_numpy(ham.dense(full)) @ v)
+    return full, torch.from_numpy(ham.dense(full)), v
+
+
+def energy_of(ham, keys: torch.Tensor, coeffs: torch.Tensor) -> float:
+    """<c|H|c> with seqlab's H over the whole sector (c zero off its keys)."""
+    _, h, v = on_sector(ham, keys, coeffs)
+    return float(v @ h @ v)
 
 
 @pytest.mark.parametrize("name", ["lih", "h2o"])
@@ -35,6 +41,33 @@ def test_cisd_state_has_pyscf_cisd_energy_under_seqlab_hamiltonian(system, name)
     assert target.method == "cisd" and abs(float(target.coeffs.norm()) - 1) < 1e-12
     assert abs(energy_of(ham, target.keys, target.coeffs) - target.energy) < 1e-8
     assert target.energy < s.references.e_hf - 1e-3  # CISD holds correlation: not a relabelled HF state
+
+
+def test_ccsd_state_projects_onto_pyscf_ccsd_energy(system):
+    """<HF|H exp(T)|HF> / <HF|exp(T)|HF> is the CCSD energy: the amplitudes, keys and signs of T1 and T2 are right."""
+    s = system("h2o")
+    ham = s.hamiltonian
+    target = target_state("ccsd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
+    assert target.method == "ccsd" and abs(float(target.coeffs.norm()) - 1) < 1e-12
+    hf_key = sum(1 << (2 * i) for i in range(ham.n_alpha)) + sum(1 << (2 * i + 1) for i in range(ham.n_beta))
+    keys, h, v = on_sector(ham, target.keys, target.coeffs)
+    hf = int(torch.searchsorted(keys, torch.tensor(hf_key)))
+    assert abs(float((h @ v)[hf] / v[hf]) - target.energy) < 1e-8
+    e_var = energy_of(ham, target.keys, target.coeffs)  # a state: above FCI, and below CISD's state here
+    assert s.references.e_fci < e_var < target_state("cisd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta).energy
+
+
+def test_ccsd_state_is_exact_for_two_distant_h2():
+    """Two H2 far apart: CCSD is exact, and the exact state needs T2^2 / 2 (a double on each molecule), so the
+    variational energy of exp(T)|HF> equals FCI only if the quadruples are built with the right signs."""
+    s = prepare(get_molecule(atom="H 0 0 0; H 0 0 0.74; H 0 20 0; H 0 20 0.74"))
+    ham = s.hamiltonian
+    target = target_state("ccsd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
+    hf_key = 0b1111  # 2 alpha + 2 beta electrons in the two lowest spatial orbitals, interleaved
+    level = [bin(int(k) ^ hf_key).count("1") // 2 for k in target.keys]
+    assert float(sum(c**2 for c, n in zip(target.coeffs.tolist(), level) if n == 4)) > 1e-4
+    assert abs(energy_of(ham, target.keys, target.coeffs) - s.references.e_fci) < 1e-8
+    assert abs(target.energy - s.references.e_fci) < 1e-6  # PySCF's CCSD converges its energy to 1e-7
 
 
 def test_fci_vector_mapping_gives_the_fci_energy(system):
@@ -80,7 +113,7 @@ def test_warm_started_vmc_starts_at_the_target_energy(system):
 
 def test_bad_warm_start_settings_name_the_field():
     with pytest.raises(ValueError, match="WarmStartConfig.method"):
-        WarmStartConfig(method="ccsd")
+        WarmStartConfig(method="ccsdt")
     with pytest.raises(ValueError, match="WarmStartConfig.steps"):
         WarmStartConfig(steps=-1)
 

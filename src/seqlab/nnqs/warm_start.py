@@ -19,10 +19,11 @@ from torch import Tensor
 
 from seqlab import runtime
 from seqlab.nnqs.ansatz import Wavefunction
+from seqlab.nnqs.coupled_cluster import ccsd_fcivec
 from seqlab.nnqs.space import keys_to_tokens
 from seqlab.runtime.schedule import warmup_cosine
 
-METHODS = ("cisd", "hf", "none")
+METHODS = ("ccsd", "cisd", "hf", "none")
 SUPPORT_EPS = 1e-8  # coefficients below this are left out of the fit (they do not move the loss)
 MAX_FCIVEC = 20_000_000  # CISD is mapped through PySCF's FCI-sized vector; past this it would not fit in memory
 
@@ -102,14 +103,18 @@ def target_state(method: str, mf, n_orb: int, n_alpha: int, n_beta: int) -> Targ
         return None
     from pyscf import ci as pyscf_ci  # optional heavy dependency (the nnqs extra)
 
-    solver = pyscf_ci.CISD(mf)
-    solver.verbose = 0
-    solver.kernel()
-    vec = solver.to_fcivec(solver.ci, n_orb, (n_alpha, n_beta))
+    ccsd = ccsd_fcivec(mf, n_orb, (n_alpha, n_beta)) if method == "ccsd" else None
+    if ccsd is not None:
+        vec, energy = ccsd
+    else:
+        method, solver = "cisd", pyscf_ci.CISD(mf)
+        solver.verbose = 0
+        solver.kernel()
+        vec, energy = solver.to_fcivec(solver.ci, n_orb, (n_alpha, n_beta)), float(solver.e_tot)
     keys, coeffs = pyscf_vector_to_keys(vec, n_orb, n_alpha, n_beta)
     keep = coeffs.abs() > SUPPORT_EPS
     keys, coeffs = keys[keep], coeffs[keep]
-    return TargetState(keys, coeffs / coeffs.norm(), "cisd", float(solver.e_tot))
+    return TargetState(keys, coeffs / coeffs.norm(), method, energy)
 
 
 def fit(wf: Wavefunction, target: TargetState, cfg: WarmStartConfig, progress: bool = False) -> dict:

@@ -1,0 +1,63 @@
+"""The CCSD state exp(T1 + T2)|HF> written out on PySCF's determinant vector, for the supervised warm start.
+
+Why: CISD knows singles and doubles only, and its variational energy is poor where it matters (N2 STO-3G: 18.3 mHa
+above FCI, C2: 53.7). The CCSD wavefunction has the same cost to get from PySCF but also the disconnected triples
+and quadruples (T1 T2, T2^2 / 2, ...), with their signs: as a state it lies 3.0 mHa above FCI on N2 and 12.9 on C2.
+
+The exponential is summed as a Taylor series of the excitation operator T applied to a vector. Spin-adapted
+RCCSD: T1 = sum t1[i,a] E_ai and T2 = 1/2 sum t2[i,j,a,b] E_ai E_bj, with E_pq = sum_sigma a+_p,sigma a_q,sigma.
+T only excites, so the series ends after at most n_electrons / 2 + 1 terms.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+MAX_TERMS = 64  # T is nilpotent on a finite space; this only guards against a bug looping forever
+
+
+def _excite(amplitudes: np.ndarray, vec: np.ndarray, n_orb: int, nelec: tuple[int, int]) -> np.ndarray:
+    """sum_{a,i} amplitudes[i, a] E_{a i} |vec> (occupied i, virtual a) through PySCF's non-Hermitian 1-e kernel."""
+    from pyscf.fci import direct_nosym  # optional heavy dependency (the nnqs extra)
+
+    n_occ = amplitudes.shape[0]
+    op = np.zeros((n_orb, n_orb))
+    op[n_occ:, :n_occ] = amplitudes.T
+    return direct_nosym.contract_1e(op, vec, n_orb, nelec)
+
+
+def _apply_t(t1: np.ndarray, t2: np.ndarray, vec: np.ndarray, n_orb: int, nelec: tuple[int, int]) -> np.ndarray:
+    n_occ, n_vir = t1.shape
+    out = _excite(t1, vec, n_orb, nelec)
+    for j in range(n_occ):
+        for b in range(n_vir):
+            single = np.zeros((n_occ, n_vir))
+            single[j, b] = 1.0
+            e_bj = _excite(single, vec, n_orb, nelec)
+            out += _excite(0.5 * t2[:, j, :, b], e_bj, n_orb, nelec)
+    return out
+
+
+def ccsd_fcivec(mf, n_orb: int, nelec: tuple[int, int]) -> tuple[np.ndarray, float] | None:
+    """(exp(T)|HF> as a [n_alpha_strings, n_beta_strings] array, E_CCSD) for a closed-shell RHF ``mf``; None
+    (with a warning) where CCSD does not converge, as in strongly stretched bonds."""
+    from pyscf import cc as pyscf_cc  # optional heavy dependency (the nnqs extra)
+    from pyscf.fci import cistring
+
+    solver = pyscf_cc.CCSD(mf)
+    solver.verbose = 0
+    solver.kernel()
+    if not solver.converged:
+        warnings.warn("warm start: CCSD did not converge; fitting CISD instead", stacklevel=3)
+        return None
+    hf = np.zeros((cistring.num_strings(n_orb, nelec[0]), cistring.num_strings(n_orb, nelec[1])))
+    hf[0, 0] = 1.0  # PySCF's first string in each spin fills the lowest orbitals
+    total, term = hf.copy(), hf
+    for k in range(1, MAX_TERMS):
+        term = _apply_t(solver.t1, solver.t2, term, n_orb, nelec) / k
+        total += term
+        if np.abs(term).max() < 1e-14:
+            break
+    return total, float(solver.e_tot)
