@@ -17,6 +17,6 @@ def test_run_length_follows_the_sector_size():
 
 
 def test_each_start_gets_its_own_recipe():
-    assert recipe_for("none") is RANDOM_START and recipe_for("cisd") is recipe_for("hf") is WARM_START
+    assert recipe_for("none") is RANDOM_START and recipe_for("ccsd") is recipe_for("cisd") is recipe_for("hf") is WARM_START
     assert WARM_START.anneal == 0 and RANDOM_START.anneal > 0
     assert WARM_START.lr < RANDOM_START.lr  # a fitted state is kicked out by the random start's rate

@@ -34,8 +34,8 @@ def test_vmc_h2_reaches_chemical_accuracy_and_writes_result(tmp_path, capsys):
         assert key in r, key
     assert (r["molecule"], r["n_spin_orbitals"], r["n_electrons"], r["steps"]) == ("h2", 4, 2, 100)
     assert r["final_eval"] == "exact" and r["energy_std"] == 0.0
-    # the defaults: a CISD warm start (exact for two electrons) and the exact sum over the sector
-    assert r["estimator"] == "exact-sum" and r["warm_start"]["method"] == "cisd" and r["anneal"] == 0.0
+    # the defaults: a CCSD warm start (exact for two electrons) and the exact sum over the sector
+    assert r["estimator"] == "exact-sum" and r["warm_start"]["method"] == "ccsd" and r["anneal"] == 0.0
     assert (r["lr"], r["beta2"], r["phase_lr_scale"]) == (2e-3, 0.999, 10.0)
     assert abs(r["error_mha"]) < CHEMICAL_ACCURACY_MHA
     assert r["energy"] >= r["e_fci"] - 1e-9  # an exact expectation value is variational

@@ -37,7 +37,7 @@ def test_cisd_state_has_pyscf_cisd_energy_under_seqlab_hamiltonian(system, name)
     """Keys and signs are right iff <c|H|c> with seqlab's H equals PySCF's own CISD energy."""
     s = system(name)
     ham = s.hamiltonian
-    target = target_state("cisd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
+    target = target_state("cisd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta, support=0.0)
     assert target.method == "cisd" and abs(float(target.coeffs.norm()) - 1) < 1e-12
     assert abs(energy_of(ham, target.keys, target.coeffs) - target.energy) < 1e-8
     assert target.energy < s.references.e_hf - 1e-3  # CISD holds correlation: not a relabelled HF state
@@ -47,7 +47,7 @@ def test_ccsd_state_projects_onto_pyscf_ccsd_energy(system):
     """<HF|H exp(T)|HF> / <HF|exp(T)|HF> is the CCSD energy: the amplitudes, keys and signs of T1 and T2 are right."""
     s = system("h2o")
     ham = s.hamiltonian
-    target = target_state("ccsd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
+    target = target_state("ccsd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta, support=0.0)
     assert target.method == "ccsd" and abs(float(target.coeffs.norm()) - 1) < 1e-12
     hf_key = sum(1 << (2 * i) for i in range(ham.n_alpha)) + sum(1 << (2 * i + 1) for i in range(ham.n_beta))
     keys, h, v = on_sector(ham, target.keys, target.coeffs)
@@ -62,7 +62,7 @@ def test_ccsd_state_is_exact_for_two_distant_h2():
     variational energy of exp(T)|HF> equals FCI only if the quadruples are built with the right signs."""
     s = prepare(get_molecule(atom="H 0 0 0; H 0 0 0.74; H 0 20 0; H 0 20 0.74"))
     ham = s.hamiltonian
-    target = target_state("ccsd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
+    target = target_state("ccsd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta, support=0.0)
     hf_key = 0b1111  # 2 alpha + 2 beta electrons in the two lowest spatial orbitals, interleaved
     level = [bin(int(k) ^ hf_key).count("1") // 2 for k in target.keys]
     assert float(sum(c**2 for c, n in zip(target.coeffs.tolist(), level) if n == 4)) > 1e-4
@@ -80,7 +80,7 @@ def test_fci_vector_mapping_gives_the_fci_energy(system):
     assert abs(energy_of(ham, keys, c) - e) < 1e-8
 
 
-@pytest.mark.parametrize("method, min_overlap", [("hf", 0.99), ("cisd", 0.98)])
+@pytest.mark.parametrize("method, min_overlap", [("hf", 0.99), ("cisd", 0.98), ("ccsd", 0.98)])
 def test_fit_reproduces_the_target_amplitudes_and_signs(system, method, min_overlap):
     s = system("lih")
     ham = s.hamiltonian
@@ -90,7 +90,7 @@ def test_fit_reproduces_the_target_amplitudes_and_signs(system, method, min_over
     before = overlap(wf, target)
     report = fit(wf, target, WarmStartConfig(steps=300))
     assert before < 0.5 and report["overlap"] > min_overlap
-    if method == "cisd":  # the signs, not only |c|^2: every visible amplitude has the target's sign relative to HF
+    if method != "hf":  # the signs, not only |c|^2: every visible amplitude has the target's sign relative to HF
         log_psi = wf.log_psi(keys_to_tokens(target.keys, ham.n_orb))
         ref = int(target.coeffs.abs().argmax())
         rel = torch.exp(log_psi - log_psi[ref]).real * target.coeffs[ref].sign()

@@ -5,10 +5,11 @@ The two starts need different optimisers, which is why these are not single defa
 - **Random start** (``--warm-start none``): entropy annealing keeps P broad while the phase MLP, at 10x the
   learning rate, learns the sign structure before P concentrates near Hartree-Fock (docs/nnqs.md, "Training
   recipe"). Adam's beta2 0.99 follows the fast-changing gradients of the annealing phase.
-- **Warm start** (CISD or HF fitted first): the signs and the largest amplitudes are already right, so there is no
-  annealing. The phase MLP still learns at 10x: CISD has no triples or quadruples, whose signs VMC must find (N2
-  seed 0, 2500 steps: 1.34 mHa with 10x; with 1x the run flattened at 2.06 mHa after 2975 steps, with 122 of the
-  650 configurations of c^2 > 1e-8 carrying the wrong sign). Adam moves every parameter by about the learning rate
+- **Warm start** (CCSD, CISD or HF fitted first): the signs and the largest amplitudes are already right, so there
+  is no annealing. The phase MLP still learns at 10x: the connected triples are in neither CCSD nor CISD, and CISD
+  has no quadruples either, whose signs VMC must find (N2 seed 0 from CISD, 2500 steps: 1.34 mHa with 10x; with 1x
+  the run flattened at 2.06 mHa after 2975 steps, with 122 of the 650 configurations of c^2 > 1e-8 carrying the
+  wrong sign). Adam moves every parameter by about the learning rate
   per step whatever its gradient, which a state fitted to 1e-4 infidelity cannot take at 5e-3 (measured on N2:
   lr 1e-2 collapsed onto HF within 10 steps even with exact gradients; 1e-3 and 2e-3 descended, 2e-3 faster). A
   long warmup (40 steps) and beta2 0.999 let Adam's second moments settle before the full rate is reached, and the
