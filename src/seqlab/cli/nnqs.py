@@ -29,10 +29,10 @@ from seqlab.runtime.rundir import claim_run_dir
 from seqlab.runtime.signals import GracefulStop
 
 EPILOG = """\
-Expected run time with the defaults (CISD warm start, exact sum; 1 thread, CPU time; see docs/nnqs.md):
-  h2 ~10 s, lih ~20 s (0.07-0.11 mHa, 3 seeds), h2o ~25 s (0.20-0.31 mHa, 3 seeds), nh3 ~3 min (1000 steps,
-  0.7-1.2 mHa, 3 seeds). n2 (20 spin orbitals, 14400 determinants): 2500 steps, ~24 min (0.55 s/step); seeds
-  0/1/2 ended at 1.34 / 3.90 / 1.66 mHa. c2 (44100 determinants): ~1.06 s/step, 15.9 mHa at step 1602 (open).
+Expected run time with the defaults (CCSD warm start, exact sum; 1 thread, CPU time; see docs/nnqs.md):
+  h2 ~10 s, lih ~20 s (0.05-0.15 mHa, 3 seeds), h2o ~35 s (0.19-0.22 mHa, 3 seeds), nh3 ~4 min (1000 steps,
+  0.40-0.58 mHa, 3 seeds). n2 (20 spin orbitals, 14400 determinants): 2500 steps, ~20-23 min; seeds 0/1/2
+  ended at 2.23 / 1.10 / 6.78 mHa. c2 (44100 determinants): ~60 min, 2.00 mHa (seed 0).
   --warm-start none: the earlier random-start recipe with entropy annealing.
 Examples:
   seqlab nnqs --molecule h2o
