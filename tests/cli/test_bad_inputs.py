@@ -97,6 +97,7 @@ NNQS_CASES: list[Case] = [
     Case("nnqs-min-lr-ratio-0", ["nnqs", "--molecule", "h2", "--min-lr-ratio", "0", "--out", "{tmp}/o"], "--min-lr-ratio must be in (0, 1]"),
     Case("nnqs-beta2-1", ["nnqs", "--molecule", "h2", "--beta2", "1", "--out", "{tmp}/o"], "--beta2 must be in (0, 1)"),
     Case("nnqs-phase-lr-scale-0", ["nnqs", "--molecule", "h2", "--phase-lr-scale", "0", "--out", "{tmp}/o"], "--phase-lr-scale must be > 0"),
+    Case("nnqs-negative-rollback-tol", ["nnqs", "--molecule", "h2", "--rollback-tol", "-1", "--out", "{tmp}/o"], "--rollback-tol must be >= 0"),
     Case("nnqs-out-is-a-file", ["nnqs", "--molecule", "h2", "--out", "{tmp}/f"], "is a file, not a directory", files={"f": "x"}),
     Case("nnqs-out-under-a-file", ["nnqs", "--molecule", "h2", "--out", "{tmp}/f/run"], "lies under", files={"f": "x"}),
     Case("nnqs-out-not-writable", ["nnqs", "--molecule", "h2", "--out", "/sys/seqlab-nnqs-out"], "not writable"),

@@ -102,6 +102,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="entropy annealing strength (fraction of the diagonal energy spread, >= 0); 0 disables "
                         f"(default {WARM_START.anneal:g} after a warm start, {RANDOM_START.anneal:g} with --warm-start "
                         "none)")
+    p.add_argument("--rollback-tol", type=float, default=VMCConfig.rollback_tol_mha, metavar="MHA",
+                   help="exact-sum runs: from step --rollback-after on, a step whose energy lies this many mHa above "
+                        "the best seen restores the best state and halves the learning rate; 0 disables "
+                        f"(default {VMCConfig.rollback_tol_mha:g})")
+    p.add_argument("--rollback-after", type=int, default=VMCConfig.rollback_after, metavar="STEP",
+                   help=f"first step the rollback rule watches (default {VMCConfig.rollback_after})")
     p.add_argument("--sr", action="store_true", help="stochastic reconfiguration (minSR; slow, small systems)")
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
@@ -156,7 +162,8 @@ def check_flags(args: argparse.Namespace) -> int:
         raise ValueError(f"--samples must be a positive integer, got {args.samples:g}")
     for flag, value, low in (("--warmup", args.warmup, 0), ("--anneal", args.anneal, 0), ("--steps", args.steps, 1),
                              ("--max-batch", args.max_batch, 1), ("--checkpoint-every", args.checkpoint_every, 1),
-                             ("--threads", args.threads, 1), ("--warm-start-steps", args.warm_start_steps, 0)):
+                             ("--threads", args.threads, 1), ("--warm-start-steps", args.warm_start_steps, 0),
+                             ("--rollback-tol", args.rollback_tol, 0), ("--rollback-after", args.rollback_after, 0)):
         if value is not None and not value >= low:  # `not >=` also catches NaN
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     for flag, value, ok, want in (("--lr", args.lr, lambda v: v > 0, "> 0"),
@@ -201,7 +208,7 @@ def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, a
         "world_size": world_size, "n_parameters": sum(p.numel() for p in res.wavefunction.parameters()),
         "ansatz": ansatz.__dict__, "lr": args.lr, "warmup": args.warmup,
         "min_lr_ratio": args.min_lr_ratio, "phase_lr_scale": args.phase_lr_scale, "beta2": args.beta2,
-        "anneal": args.anneal, "sr": args.sr,
+        "anneal": args.anneal, "sr": args.sr, "rollbacks": res.rollbacks,
         "warm_start": res.warm_start, "kv_cache": not args.no_cache, "wall_time_s": wall_s, "cpu_time_s": cpu_s,
         "vmc_time_s": res.wall_time_s,
         "reference_time_s": t_ref, "notes": refs.notes,
@@ -241,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
                         phase_lr_scale=args.phase_lr_scale, betas=(VMCConfig.betas[0], args.beta2),
                         local_energy=args.local_energy, estimator=args.estimator, exact_tail=args.exact_tail,
                         exact_max_configs=args.exact_max_configs, sr=args.sr, seed=args.seed,
-                        checkpoint_every=args.checkpoint_every,
+                        checkpoint_every=args.checkpoint_every, rollback_tol_mha=args.rollback_tol,
+                        rollback_after=args.rollback_after,
                         sampler=SamplerConfig(use_cache=not args.no_cache, max_batch=args.max_batch))
         ansatz = AnsatzConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
         bar = progress_bar(total=args.steps, desc=f"nnqs {mol.name}", unit="step",

@@ -19,6 +19,7 @@ import torch
 from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
 from seqlab.nnqs.evaluate import evaluate_energy
 from seqlab.nnqs.hamiltonian import Hamiltonian
+from seqlab.nnqs.step_guard import StepGuard
 from seqlab.nnqs.vmc import HARTREE_TO_MHA, StepStats, VMCConfig, build_sector, initial_temperature, uses_exact_sum, \
     vmc_step
 from seqlab.nnqs.warm_start import TargetState, WarmStartConfig, fit
@@ -41,6 +42,7 @@ class RunResult:
     checkpoint: Path | None = None  # the last checkpoint written or loaded
     warm_start: dict | None = None  # the supervised fit's losses and overlap (fresh runs with a target only)
     estimator: str = "sampled"  # what the steps used: "exact-sum" or "sampled" (VMCConfig.estimator resolved)
+    rollbacks: list[int] | None = None  # steps whose energy jump the step guard undid (exact-sum runs)
 
 
 def build_optimizer(wf: Wavefunction, cfg: VMCConfig) -> torch.optim.Optimizer:
@@ -72,6 +74,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     wf = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta, ansatz)
     opt = build_optimizer(wf, cfg)
     store = checkpoint_store(out, cfg.keep_last) if out is not None else None
+    guard = StepGuard(cfg.rollback_tol_mha, cfg.rollback_after)  # switched off below for sampled runs
     start_step, t0, checkpoint = 0, None, None
     if store is not None:
         check_new_run(out, resume)
@@ -80,7 +83,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
             clean_stale(out)
         checkpoint = store.latest() if resume else None
         if checkpoint is not None:
-            start_step, t0 = load_checkpoint(store, checkpoint, wf, opt)
+            start_step, t0 = load_checkpoint(store, checkpoint, wf, opt, guard)
     t_start = time.perf_counter()
     warm = None
     if warm_start is not None and checkpoint is None:  # same seed, same data: every rank fits the same parameters
@@ -89,6 +92,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
         t0 = initial_temperature(wf, ham, cfg, dist)
     sector = build_sector(ham, cfg, dist)
     estimator = "exact-sum" if uses_exact_sum(cfg, sector) else "sampled"
+    guard.active = estimator == "exact-sum" and cfg.anneal == 0  # only an exact, unannealed energy can be judged
     log = Logbook(out / LOG if out is not None else Path(LOG), resume_step=start_step - 1 if start_step else None,
                   tensorboard_dir=tensorboard, enabled=out is not None and dist.is_main)
     records = log.rows() if log.enabled else []
@@ -96,8 +100,11 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     stopped_at = None
     with log:
         for step in range(start_step, cfg.steps):
+            guard.before_step(step, wf, opt)
             st = vmc_step(wf, ham, opt, cfg, step, dist, t0, sector)
             rec = asdict(st)
+            if guard.after_step(step, st.energy, wf, opt):
+                rec["rolled_back_to"] = guard.best_step
             rec["wall_time_s"] = time.perf_counter() - t_start
             if e_ref is not None:
                 rec["error_mha"] = (st.energy - e_ref) * HARTREE_TO_MHA
@@ -110,16 +117,18 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
             stopping = stop is not None and any_rank(stop.requested, dist)  # every rank leaves at the same step
             if store is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping):
                 if dist.is_main:
-                    checkpoint = save_checkpoint(store, wf, opt, done, t0, vmc_state)
+                    checkpoint = save_checkpoint(store, wf, opt, done, t0, vmc_state, guard)
             if stopping:
                 stopped_at = done
                 break
     if out is not None and dist.is_main and records:
         plot_convergence(log, out, references or {}, e_ref, title)
     if stopped_at is not None:
-        return RunResult(wf, records, None, time.perf_counter() - t_start, stopped_at, checkpoint, warm, estimator)
+        return RunResult(wf, records, None, time.perf_counter() - t_start, stopped_at, checkpoint, warm, estimator,
+                         guard.rollbacks)
     final = evaluate_energy(wf, ham, cfg, dist)
-    return RunResult(wf, records, final, time.perf_counter() - t_start, None, checkpoint, warm, estimator)
+    return RunResult(wf, records, final, time.perf_counter() - t_start, None, checkpoint, warm, estimator,
+                     guard.rollbacks)
 
 
 def plot_convergence(log: Logbook, out: Path, references: dict[str, float | None], e_ref: float | None,

@@ -81,6 +81,11 @@ class VMCConfig:
     eval_samples: int | None = None  # otherwise samples this many (default 100 * samples)
     checkpoint_every: int = 100
     keep_last: int = 2  # checkpoints kept (the newest); 0 keeps all
+    # step guard (exact-sum runs without annealing): from step ``rollback_after`` on, a step whose energy lies more
+    # than ``rollback_tol_mha`` above the best seen restores the best state and halves the rate (step_guard.py);
+    # the first steps after a warm start rise by 10 mHa or more by design, hence the late start. 0 disables it.
+    rollback_tol_mha: float = 10.0
+    rollback_after: int = 200
 
     def __post_init__(self) -> None:
         if self.local_energy not in MODES:
@@ -96,7 +101,7 @@ class VMCConfig:
         if self.samples_final is not None and self.samples_final < self.samples:
             raise ValueError(f"VMCConfig.samples_final: must be >= samples ({self.samples}), got {self.samples_final}")
         for name, low in (("steps", 1), ("samples", 1), ("checkpoint_every", 1), ("keep_last", 0), ("warmup", 0),
-                          ("anneal", 0)):
+                          ("anneal", 0), ("rollback_tol_mha", 0), ("rollback_after", 0)):
             if not getattr(self, name) >= low:  # `not >=` also refuses NaN
                 raise ValueError(f"VMCConfig.{name}: must be >= {low}, got {getattr(self, name)}")
         if self.sector_max < 0:

@@ -19,7 +19,9 @@ from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.runtime.errors import CheckpointError
 from seqlab.runtime.rng import capture_rng, restore_rng
 from seqlab.runtime.rundir import first_existing, refuse_run
-from seqlab.runtime.store import CheckpointStore, load_optimizer_state, optimizer_state_to_tensors
+from seqlab.nnqs.step_guard import GuardedState, StepGuard
+from seqlab.runtime.store import CheckpointStore, load_optimizer_state, optimizer_dict_from_tensors, \
+    optimizer_dict_to_tensors, optimizer_state_to_tensors
 
 KIND = "seqlab-nnqs-checkpoint"
 CHECKPOINTS = "checkpoints"
@@ -33,16 +35,23 @@ def checkpoint_store(out: Path, keep_last: int | None) -> CheckpointStore:
 
 
 def save_checkpoint(store: CheckpointStore, wf: Wavefunction, opt: torch.optim.Optimizer, step: int, t0: float,
-                    vmc: dict[str, Any]) -> Path:
-    """Checkpoint after ``step`` completed steps (call on the main rank only)."""
+                    vmc: dict[str, Any], guard: StepGuard | None = None) -> Path:
+    """Checkpoint after ``step`` completed steps (call on the main rank only), with the step guard's best state."""
     opt_tensors, opt_meta = optimizer_state_to_tensors(opt)
     state = {**wf.config_dict(), "t0": t0, "vmc": vmc, "optimizer": opt_meta, "rng": capture_rng()}
-    return store.save(step, {"model": dict(wf.state_dict()), "optimizer": opt_tensors}, state)
+    tensors = {"model": dict(wf.state_dict()), "optimizer": opt_tensors}
+    if guard is not None:
+        state["guard"] = guard.state()
+        if guard.best is not None:
+            tensors["best_model"] = guard.best.model
+            tensors["best_optimizer"], state["best_optimizer"] = optimizer_dict_to_tensors(guard.best.optimizer)
+    return store.save(step, tensors, state)
 
 
-def load_checkpoint(store: CheckpointStore, path: Path, wf: Wavefunction, opt: torch.optim.Optimizer
-                    ) -> tuple[int, float]:
-    """Restore model, optimizer and RNG from ``path`` (sha256-verified); returns (completed steps, T0)."""
+def load_checkpoint(store: CheckpointStore, path: Path, wf: Wavefunction, opt: torch.optim.Optimizer,
+                    guard: StepGuard | None = None) -> tuple[int, float]:
+    """Restore model, optimizer, RNG (and the guard's best state) from ``path`` (sha256-verified); returns
+    (completed steps, T0)."""
     tensors, state = store.load(path)
     where = path / "state.json"
     found = (state.get("n_orb"), state.get("n_alpha"), state.get("n_beta"))
@@ -54,6 +63,12 @@ def load_checkpoint(store: CheckpointStore, path: Path, wf: Wavefunction, opt: t
     wf.load_state_dict(tensors["model"])
     load_optimizer_state(opt, tensors["optimizer"], state["optimizer"])
     restore_rng(state["rng"])
+    if guard is not None:
+        best = None
+        if "best_model" in tensors and "best_optimizer" in state:
+            best = GuardedState(tensors["best_model"],
+                                optimizer_dict_from_tensors(tensors["best_optimizer"], state["best_optimizer"]))
+        guard.load_state(state.get("guard"), best)
     return int(state["step"]), float(state["t0"])
 
 
