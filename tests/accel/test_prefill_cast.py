@@ -1,9 +1,10 @@
-"""bf16 prefill of an fp32 model: only where bf16 is native and a timed prefill wins; fp32 decode steps after it."""
+"""The prefill route of an fp32 model: bf16 only under "auto", where native and a timed prefill wins; fp32 on oneDNN
+wherever it wins; fp32 decode steps after either."""
 import pytest
 import torch
 
-from seqlab.accel import accelerate, calibrate, prefill as accel_prefill
-from seqlab.accel.prefill import PrefillCast, choose_prefill_cast, prefill_key
+from seqlab.accel import accelerate, calibrate, prefill as accel_prefill, train_linear
+from seqlab.accel.prefill import PrefillCast, candidate_casts, choose_prefill_cast, prefill_key
 from seqlab.config import ModelConfig
 from seqlab.generate.engine import decode_step, prefill
 from seqlab.model import build_model
@@ -43,44 +44,95 @@ def test_a_cast_prefill_fills_the_fp32_cache_and_decoding_continues_in_fp32():
         torch.testing.assert_close(decode_step(model, tok, c1), decode_step(plain, tok, c2), atol=BF16_ATOL, rtol=0)
 
 
+def test_an_onednn_prefill_is_fp32_and_runs_its_products_on_onednn(monkeypatch):
+    model, plain = tiny_model(), tiny_model()
+    model.prefill_cast = PrefillCast(torch.float32, min_tokens=4)
+    calls = []
+
+    def counting(x, weight, bias=None):
+        calls.append(tuple(x.shape))
+        return train_linear.onednn_linear(x, weight, bias)
+
+    monkeypatch.setattr(accel_prefill, "onednn_linear", counting)
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        c1, c2 = model.new_cache(2, 16), plain.new_cache(2, 16)
+        got, want = prefill(model, ids, c1), prefill(plain, ids, c2)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # fp32: only the summation order differs
+        torch.testing.assert_close(c1.k[0], c2.k[0], atol=1e-5, rtol=1e-5)
+        assert len(calls) >= 2 * 4 and all(shape[:2] == (2, 9) for shape in calls)  # every layer's products
+        calls.clear()
+        tok = want.argmax(-1)
+        torch.testing.assert_close(decode_step(model, tok, c1), decode_step(plain, tok, c2), atol=1e-5, rtol=1e-5)
+        assert calls == []  # decode steps keep their own route
+        prefill(model, ids[:, :1], model.new_cache(2, 16))
+        assert calls == []  # 2 tokens: below min_tokens, plain products
+
+
 def test_not_native_or_not_faster_means_no_cast(monkeypatch):
     monkeypatch.setattr(accel_prefill, "native_bf16", lambda: False)
-    assert choose_prefill_cast(long_context_model()) == (None, {})
-    monkeypatch.setattr(accel_prefill, "native_bf16", lambda: True)
-    slow = {"fp32": 1.0, "bf16": 0.9}  # faster, but not by MIN_SPEEDUP: timing noise must not change the numbers
-    monkeypatch.setattr(accel_prefill, "time_prefills", lambda model, length: slow)
+    assert set(candidate_casts(allow_bf16=True)) == {"fp32", "onednn"}
+    slow = {"fp32": 1.0, "onednn": 0.95, "bf16": 0.9}  # faster, but not by the margins: noise must not choose
+    monkeypatch.setattr(accel_prefill, "time_prefills", lambda model, length, casts: {k: slow[k] for k in casts})
     cast, timings = choose_prefill_cast(long_context_model())
-    assert cast is None and set(timings) == {f"{d}@{n}" for d in ("fp32", "bf16") for n in accel_prefill.LENGTHS}
+    assert cast is None and set(timings) == {f"{d}@{n}" for d in ("fp32", "onednn") for n in accel_prefill.LENGTHS}
+    monkeypatch.setattr(accel_prefill, "native_bf16", lambda: True)  # (another CPU: not this one's cache)
+    cast, timings = choose_prefill_cast(long_context_model(), use_cache=False)
+    assert cast is None and {k.split("@")[0] for k in timings} == {"fp32", "onednn", "bf16"}
 
 
-def test_the_shortest_winning_length_is_the_threshold_and_is_cached(monkeypatch):
+def test_each_length_takes_its_winner_and_the_timings_are_cached(monkeypatch):
+    """An AMD EPYC's SmolLM2 case: oneDNN's fp32 wins at 64 tokens (bf16 only 1.2x ahead), bf16 from 256."""
     monkeypatch.setattr(accel_prefill, "native_bf16", lambda: True)
     timed = []
+    times = {64: {"fp32": 1.0, "onednn": 0.6, "bf16": 0.5}, 256: {"fp32": 4.0, "onednn": 2.4, "bf16": 1.5}}
 
-    def fake(model, length):
+    def fake(model, length, casts):
         timed.append(length)
-        return {"fp32": 1.0, "bf16": 0.9 if length < 128 else 0.5}
+        return {k: times[length][k] for k in casts}
 
     monkeypatch.setattr(accel_prefill, "time_prefills", fake)
     cast, _ = choose_prefill_cast(long_context_model())
-    assert cast == PrefillCast(torch.bfloat16, 128) and timed == [64, 128]  # 256 not timed: 128 already won
+    assert cast == PrefillCast(torch.float32, 64, PrefillCast(torch.bfloat16, 256)) and timed == [64, 256]
+    assert cast.label == "64+ tokens in fp32 on oneDNN, 256+ in bf16"
+    with cast.context(63):
+        assert not torch.is_autocast_enabled("cpu") and not torch.overrides._is_torch_function_mode_enabled()
+    with cast.context(255):
+        assert not torch.is_autocast_enabled("cpu") and torch.overrides._is_torch_function_mode_enabled()
+    with cast.context(256):
+        assert torch.is_autocast_enabled("cpu")
     assert prefill_key(long_context_model()) in calibrate.load_cache(current_signature())
     monkeypatch.setattr(accel_prefill, "time_prefills", lambda *a: pytest.fail("timed although cached"))
     assert choose_prefill_cast(long_context_model())[0] == cast
 
 
-def test_accelerate_casts_only_under_auto(monkeypatch):
+def test_bf16_must_beat_the_best_fp32_route_not_just_mkl(monkeypatch):
+    """An AMD EPYC's case: oneDNN's fp32 is 2x MKL's; bf16 is 2.2x MKL's but only 1.1x oneDNN's -> fp32 on oneDNN."""
     monkeypatch.setattr(accel_prefill, "native_bf16", lambda: True)
-    monkeypatch.setattr(accel_prefill, "time_prefills", lambda model, length: {"fp32": 1.0, "bf16": 0.1})
+    times = {"fp32": 1.0, "onednn": 0.5, "bf16": 0.45}
+    monkeypatch.setattr(accel_prefill, "time_prefills", lambda model, length, casts: {k: times[k] for k in casts})
+    assert choose_prefill_cast(long_context_model())[0] == PrefillCast(torch.float32, 64)
+    times["bf16"] = 0.3  # now clearly faster than the best fp32 route
+    assert choose_prefill_cast(long_context_model(), use_cache=False)[0] == PrefillCast(torch.bfloat16, 64)
+
+
+def test_accelerate_casts_to_bf16_only_under_auto(monkeypatch):
+    monkeypatch.setattr(accel_prefill, "native_bf16", lambda: True)
+    times = {"fp32": 1.0, "onednn": 1.0, "bf16": 0.1}
+    monkeypatch.setattr(accel_prefill, "time_prefills", lambda model, length, casts: {k: times[k] for k in casts})
     exact = accelerate(long_context_model(), "decode", rows=1, dtype="fp32", budget_s=0.2)
-    assert "prefill_cast" not in exact.__dict__ and not exact.accel_plan.prefill_s
+    assert "prefill_cast" not in exact.__dict__ and set(exact.accel_plan.prefill_s) == {
+        f"{d}@{n}" for d in ("fp32", "onednn") for n in accel_prefill.LENGTHS}
     auto = accelerate(long_context_model(), "decode", rows=1, dtype="auto", budget_s=0.2)
     assert auto.prefill_cast.min_tokens == 64 and auto.accel_plan.prefill_from == 64
-    assert "prefill in bf16" in auto.accel_plan.summary()
+    assert "prompts of 64+ tokens in bf16" in auto.accel_plan.summary()
     assert next(auto.parameters()).dtype == torch.float32  # the weights stay fp32
+    times["onednn"] = 0.5  # oneDNN's fp32 wins: taken under --dtype fp32 too
+    exact = accelerate(long_context_model(), "decode", rows=1, dtype="fp32", budget_s=0.2, use_cache=False)
+    assert exact.prefill_cast == PrefillCast(torch.float32, 64)
+    assert "prompts of 64+ tokens in fp32 on oneDNN" in exact.accel_plan.summary()
 
 
-@pytest.mark.skipif(not native_bf16(), reason="measures real bf16 prefills only where bf16 is native")
 def test_real_timings_on_this_machine():
-    timings = accel_prefill.time_prefills(tiny_model(), 16)
-    assert timings["fp32"] > 0 and timings["bf16"] > 0
+    timings = accel_prefill.time_prefills(tiny_model(), 16, candidate_casts(allow_bf16=True))
+    assert {"fp32", "onednn"} <= set(timings) and all(t > 0 for t in timings.values())

@@ -71,6 +71,7 @@ class AccelPlan:
     # prompt length from which it is used (0: never)
     prefill_s: dict[str, float] = field(default_factory=dict)
     prefill_from: int = 0
+    prefill_route: str = ""  # PrefillCast.label: "64+ tokens in fp32 on oneDNN, 256+ in bf16"; "" when plain
     huge_page_bytes: int = 0  # weights moved onto 2 MiB pages (seqlab.runtime.memory.move_to_huge_pages)
     # training: the MLP activation (seqlab.accel.fused_gelu), seconds per forward + backward of each candidate
     act_s: dict[str, float] = field(default_factory=dict)
@@ -99,8 +100,8 @@ class AccelPlan:
             lines.append(f"  MLP activation (forward + backward): {times}; {self.act or 'torch'} runs")
         if self.prefill_s:
             times = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.prefill_s.items())
-            verdict = (f"prompts of {self.prefill_from}+ tokens prefill in bf16" if self.prefill_from
-                       else "prefill stays fp32")
+            verdict = (f"prompts of {self.prefill_route}" if self.prefill_from
+                       else "prefill stays on plain fp32 products")
             lines.append(f"  prefill: {times}; {verdict}")
         if self.step_s:
             times = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in self.step_s.items())
@@ -222,10 +223,10 @@ def accelerate(model: nn.Module, for_: str = "decode", *, rows: int | None = Non
         model.to(compute)
     if for_ != "train":  # weights streamed once per step: on 2 MiB pages where the kernel has them
         plan.huge_page_bytes = move_to_huge_pages([*model.parameters(), *model.buffers()])
-    if for_ == "decode" and dtype == "auto" and compute == torch.float32:
-        cast, plan.prefill_s = choose_prefill_cast(model, use_cache=use_cache)
-        if cast is not None:  # fp32 weights and decode steps, bf16 products for prompts of min_tokens or more
-            model.prefill_cast, plan.prefill_from = cast, cast.min_tokens
+    if for_ == "decode" and compute == torch.float32:  # bf16 products only under "auto"; oneDNN's fp32 always
+        cast, plan.prefill_s = choose_prefill_cast(model, use_cache=use_cache, allow_bf16=dtype == "auto")
+        if cast is not None:  # fp32 weights and decode steps, another route for prompts of min_tokens or more
+            model.prefill_cast, plan.prefill_from, plan.prefill_route = cast, cast.min_tokens, cast.label
     if for_ == "decode" and fused:
         step, plan.step_s = choose_fused(model, plan.rows, use_cache=use_cache)
         if step is not None:  # the whole step in one call: it reads the plain layers, so they stay as they are

@@ -1,14 +1,21 @@
-"""bf16 prefill for an fp32 model, where the CPU has native bf16 and a timed prefill says it pays.
+"""The prefill's product route for an fp32 model: plain MKL, fp32 on oneDNN, or bf16 where it is native; timed.
 
-Why: a prefill is a chain of matrix products with hundreds of rows, so it is compute-bound, and on a CPU with
-AMX-BF16 a bf16 product runs several times faster than fp32 (about 3.5x measured on a 2-core Xeon). The decode
-steps after it stream the weights once per token and stay fp32, so the weights stay fp32 (no second copy): the
-prefill runs under ``torch.autocast`` (products in bf16, norms and the residual stream in fp32) and the fp32 cache
-takes its keys and values. It changes the numbers (bf16 keeps about 3 significant digits), which is why ``"auto"``
-only takes it where it is clearly faster, and ``--dtype fp32`` never does; docs/acceleration.md states the quality.
+Why: a prefill is a chain of matrix products with hundreds of rows, so it is compute-bound, and which library or
+dtype computes them fastest depends on the CPU. On a Xeon with AMX-BF16 a bf16 product runs several times faster
+than fp32 (about 3.5x on two cores); on an AMD EPYC, MKL's fp32 products run at half oneDNN's rate on the same
+shapes (1.9-2.4x measured at 64-512 rows), while under the AVX2 caps the two tie. The decode steps after the
+prefill keep their own route, and the weights stay fp32 (no second copy):
 
-Short prompts stay fp32: autocast converts every weight at every call, which a few-token prefill cannot repay. The
-shortest prompt length that wins is measured (``LENGTHS``) and cached per CPU signature and model shape.
+- ``fp32`` on oneDNN (``OneDNNProducts``): the same products, another summation order, so the logits agree with
+  MKL's to fp32 rounding. Taken under ``--dtype fp32`` too, wherever it measures faster.
+- ``bf16`` (``torch.autocast``: products in bf16, norms and the residual stream in fp32; the fp32 cache takes its
+  keys and values). It changes the numbers (bf16 keeps about 3 significant digits), which is why only ``"auto"``
+  takes it, only where native, and only where it beats the best fp32 route by ``MIN_SPEEDUP``;
+  docs/acceleration.md states the quality.
+
+Short prompts stay on the plain route (autocast converts every weight at every call, which a few-token prefill
+cannot repay). Each of ``LENGTHS`` is timed on every route once per CPU signature and model shape (cached); its
+winner takes the prompts from that length on, so the route may change with the length.
 """
 from __future__ import annotations
 
@@ -19,74 +26,147 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from seqlab.accel.calibrate import load_cache, store_cache
+from seqlab.accel.train_linear import onednn_linear, train_route_available
 from seqlab.generate.engine import prefill
 from seqlab.runtime.cpu import current_signature, native_bf16
 
-LENGTHS = (64, 128, 256)  # prompt lengths timed, shortest first: the first that wins sets the threshold
-MIN_SPEEDUP = 1.25  # as for bf16 decode (seqlab.accel.apply.BF16_MIN_SPEEDUP): only where clearly faster
-ROUNDS = 3
+LENGTHS = (64, 256)  # prompt lengths timed: each one's winner takes the prompts from it to the next
+MIN_SPEEDUP = 1.25  # bf16, as for bf16 decode (seqlab.accel.apply.BF16_MIN_SPEEDUP): only where clearly faster
+ONEDNN_MIN_SPEEDUP = 1.1  # fp32 on oneDNN changes only the rounding: a clear margin over timing noise suffices
+ROUNDS = 2  # best of 2 after a warm-up: SmolLM2's three routes at both lengths take about 5 s once per CPU
+
+
+class OneDNNProducts(TorchFunctionMode):
+    """Within it, inference ``F.linear`` on plain fp32 CPU tensors runs on oneDNN instead of MKL."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            if _onednn_inference_product(x, weight, bias):
+                return onednn_linear(x, weight, bias)
+        return func(*args, **kwargs)
+
+
+def _onednn_inference_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    plain = all(t is None or (type(t) in (Tensor, nn.Parameter) and t.dtype == torch.float32 and t.device.type == "cpu"
+                              and t.layout == torch.strided) for t in (x, weight, bias))
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    return plain and not needs_grad and x.numel() > 0 and not torch.is_autocast_enabled("cpu")
 
 
 @dataclass(frozen=True)
 class PrefillCast:
-    """Run prefills of at least ``min_tokens`` tokens (rows x length) with products in ``dtype``."""
+    """Run prefills of at least ``min_tokens`` tokens (rows x length) with products in ``dtype``: bf16 under
+    autocast, or fp32 on oneDNN; prompts of at least ``longer.min_tokens`` take ``longer``'s route instead."""
 
     dtype: torch.dtype
     min_tokens: int
+    longer: PrefillCast | None = None
 
     def context(self, n_tokens: int) -> contextlib.AbstractContextManager:
+        if self.longer is not None and n_tokens >= self.longer.min_tokens:
+            return self.longer.context(n_tokens)
         if n_tokens < self.min_tokens:
             return contextlib.nullcontext()
+        if self.dtype == torch.float32:
+            return OneDNNProducts()
         return torch.autocast("cpu", dtype=self.dtype)
 
+    @property
+    def route(self) -> str:
+        return "fp32 on oneDNN" if self.dtype == torch.float32 else "bf16"
 
-def prefill_key(model: nn.Module) -> str:
+    @property
+    def label(self) -> str:
+        """``"64+ tokens in fp32 on oneDNN, 256+ in bf16"``."""
+        steps, cast = [], self
+        while cast is not None:
+            steps.append(f"{cast.min_tokens}+ tokens in {cast.route}" if not steps
+                         else f"{cast.min_tokens}+ in {cast.route}")
+            cast = cast.longer
+        return ", ".join(steps)
+
+
+def prefill_key(model: nn.Module, allow_bf16: bool = True) -> str:
     cfg = model.config
     dims = (cfg.arch, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size,
             cfg.mlp, cfg.norm)
-    return f"prefill|bf16|{hashlib.sha1(repr(dims).encode()).hexdigest()[:16]}"
+    routes = "onednn+bf16" if allow_bf16 else "onednn"
+    return f"prefill|{routes}|{hashlib.sha1(repr(dims).encode()).hexdigest()[:16]}"
 
 
-def time_prefills(model: nn.Module, length: int, clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
-    """Seconds per ``length``-token prefill, fp32 and under bf16 autocast (best of interleaved rounds)."""
+def candidate_casts(allow_bf16: bool) -> dict[str, PrefillCast | None]:
+    """The routes worth timing here: plain fp32 always, oneDNN's fp32 where torch has it, bf16 where native."""
+    casts: dict[str, PrefillCast | None] = {"fp32": None}
+    if train_route_available():
+        casts["onednn"] = PrefillCast(torch.float32, 0)
+    if allow_bf16 and native_bf16():
+        casts["bf16"] = PrefillCast(torch.bfloat16, 0)
+    return casts
+
+
+def time_prefills(model: nn.Module, length: int, casts: dict[str, PrefillCast | None],
+                  clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Seconds per ``length``-token prefill on each route in ``casts`` (best of interleaved rounds)."""
     ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
-    cast = PrefillCast(torch.bfloat16, 0)
-    best = {"fp32": float("inf"), "bf16": float("inf")}
+    best = {name: float("inf") for name in casts}
     with torch.inference_mode():
         for r in range(ROUNDS + 1):  # round 0 is the warm-up (oneDNN primitives are made on first use)
-            for name in best:
+            for name, cast in casts.items():
                 cache = model.new_cache(1, length)
                 t0 = clock()
-                with cast.context(length) if name == "bf16" else contextlib.nullcontext():
+                with cast.context(length) if cast is not None else contextlib.nullcontext():
                     prefill(model, ids, cache)
                 if r:
                     best[name] = min(best[name], clock() - t0)
     return best
 
 
-def choose_prefill_cast(model: nn.Module, use_cache: bool = True) -> tuple[PrefillCast | None, dict[str, float]]:
-    """The bf16 prefill policy for an fp32 ``model`` (None where bf16 is not native or never wins), and the
-    timings (``"fp32@L"`` / ``"bf16@L"`` seconds per prefill of L tokens)."""
+def _winner(timings: dict[str, float], length: int) -> PrefillCast | None:
+    """The route for prompts of ``length`` tokens: bf16 where it beats the best fp32 route by MIN_SPEEDUP, else
+    oneDNN's fp32 where it beats MKL's by ONEDNN_MIN_SPEEDUP, else None (plain)."""
+    fp32, onednn, bf16 = (timings.get(f"{name}@{length}") for name in ("fp32", "onednn", "bf16"))
+    if fp32 is None:
+        return None
+    onednn_wins = onednn is not None and onednn * ONEDNN_MIN_SPEEDUP <= fp32
+    best_fp32 = onednn if onednn_wins else fp32
+    if bf16 is not None and bf16 * MIN_SPEEDUP <= best_fp32:
+        return PrefillCast(torch.bfloat16, length)
+    return PrefillCast(torch.float32, length) if onednn_wins else None
+
+
+def choose_prefill_cast(model: nn.Module, use_cache: bool = True, allow_bf16: bool = True
+                        ) -> tuple[PrefillCast | None, dict[str, float]]:
+    """The prefill routes for an fp32 ``model`` (None: plain products for every prompt), and the timings
+    (``"fp32@L"``, ``"onednn@L"``, ``"bf16@L"``: seconds per prefill of L tokens). ``allow_bf16=False`` (an explicit
+    fp32 request) leaves only the fp32 routes. Where the winner changes with the length (an EPYC: oneDNN's fp32 at
+    64 tokens, bf16 from 256), the cast chains them."""
     params = [p for p in model.parameters() if p.is_floating_point()]
-    if not native_bf16() or not params or params[0].dtype != torch.float32 or params[0].device.type != "cpu":
+    casts = candidate_casts(allow_bf16)
+    if len(casts) < 2 or not params or params[0].dtype != torch.float32 or params[0].device.type != "cpu":
         return None, {}
-    key, sig = prefill_key(model), current_signature()
+    key, sig = prefill_key(model, allow_bf16), current_signature()
     timings = dict(load_cache(sig).get(key, {})) if use_cache else {}
     if not timings:
         for length in LENGTHS:
             if length > model.config.max_seq_len:
                 break
-            t = time_prefills(model, length)
-            timings |= {f"fp32@{length}": t["fp32"], f"bf16@{length}": t["bf16"]}
-            if t["bf16"] * MIN_SPEEDUP <= t["fp32"]:
-                break  # the shortest winning length sets the threshold; longer prompts only gain more
+            timings |= {f"{name}@{length}": s for name, s in time_prefills(model, length, casts).items()}
         if use_cache:
             timings = dict(store_cache(sig, {key: timings})[key])
+    steps: list[PrefillCast] = []
     for length in LENGTHS:
-        fp32, bf16 = timings.get(f"fp32@{length}"), timings.get(f"bf16@{length}")
-        if fp32 is not None and bf16 is not None and bf16 * MIN_SPEEDUP <= fp32:
-            return PrefillCast(torch.bfloat16, length), timings
-    return None, timings
+        cast = _winner(timings, length)
+        if cast is not None and (not steps or cast.dtype != steps[-1].dtype):
+            steps.append(cast)  # (a length with no winner after one: longer prompts only gain more, keep it)
+    chained = None
+    for cast in reversed(steps):
+        chained = PrefillCast(cast.dtype, cast.min_tokens, chained)
+    return chained, timings

@@ -36,7 +36,7 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ weight.T + bias`` by oneDNN; ``weight`` may be a strided view (a transpose is read in place).
 
     Under ``torch.compile`` the product goes through an opaque custom op: Inductor's own lowering of oneDNN's
@@ -59,7 +59,7 @@ class _OneDNNLinearFn(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.in_shape = x.shape
         ctx.wgrad_onednn = wgrad_onednn
-        return _onednn_linear(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+        return onednn_linear(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -69,10 +69,10 @@ class _OneDNNLinearFn(torch.autograd.Function):
             g = g.contiguous()
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = _onednn_linear(g, weight.t()).view(ctx.in_shape)
+            grad_x = onednn_linear(g, weight.t()).view(ctx.in_shape)
         if ctx.needs_input_grad[1]:
             if ctx.wgrad_onednn:  # oneDNN forms the transposed gradient x^T g
-                grad_w = _onednn_linear(x2.t(), g.t()).t().contiguous()
+                grad_w = onednn_linear(x2.t(), g.t()).t().contiguous()
             else:
                 grad_w = g.t().mm(x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
