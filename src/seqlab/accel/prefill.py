@@ -31,7 +31,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from seqlab.accel.calibrate import load_cache, store_cache
-from seqlab.accel.train_linear import onednn_linear, train_route_available
+from seqlab.accel.train_linear import onednn_linear, plain_fp32_product, train_route_available
 from seqlab.generate.engine import prefill
 from seqlab.runtime.cpu import current_signature, native_bf16
 
@@ -55,10 +55,8 @@ class OneDNNProducts(TorchFunctionMode):
 
 
 def _onednn_inference_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    plain = all(t is None or (type(t) in (Tensor, nn.Parameter) and t.dtype == torch.float32 and t.device.type == "cpu"
-                              and t.layout == torch.strided) for t in (x, weight, bias))
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    return plain and not needs_grad and x.numel() > 0 and not torch.is_autocast_enabled("cpu")
+    return not needs_grad and plain_fp32_product(x, weight, bias)
 
 
 @dataclass(frozen=True)

@@ -85,13 +85,18 @@ def _plain(t: Tensor | None) -> bool:
     return t is None or type(t) in (Tensor, nn.Parameter)
 
 
+def plain_fp32_product(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
+    """Whether oneDNN may take ``F.linear(x, weight, bias)``: non-empty plain fp32 CPU tensors, outside autocast
+    (shared by the training route here and the prefill's route, ``seqlab.accel.prefill``)."""
+    return (_ONEDNN and x.numel() > 0 and not torch.is_autocast_enabled("cpu")
+            and all(_plain(t) and (t is None or (t.dtype == torch.float32 and t.device.type == "cpu"
+                                                 and t.layout == torch.strided)) for t in (x, weight, bias)))
+
+
 def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
     """Whether :class:`TrainLinear` sends this product to oneDNN (the conditions in the module docstring)."""
-    return (_ONEDNN and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-            and x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and (bias is None or bias.dtype == torch.float32) and x.numel() > 0
-            and _plain(x) and _plain(weight) and _plain(bias)
-            and not torch.is_autocast_enabled("cpu"))
+    return (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+            and plain_fp32_product(x, weight, bias))
 
 
 def onednn_train_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, wgrad_onednn: bool = False) -> Tensor:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,7 +42,7 @@ class RunResult:
     checkpoint: Path | None = None  # the last checkpoint written or loaded
     warm_start: dict | None = None  # the supervised fit's losses and overlap (fresh runs with a target only)
     estimator: str = "sampled"  # what the steps used: "exact-sum" or "sampled" (VMCConfig.estimator resolved)
-    rollbacks: list[int] | None = None  # steps whose energy jump the step guard undid (exact-sum runs)
+    rollbacks: list[int] = field(default_factory=list)  # steps whose energy jump the step guard undid (exact-sum runs)
 
 
 def build_optimizer(wf: Wavefunction, cfg: VMCConfig) -> torch.optim.Optimizer:

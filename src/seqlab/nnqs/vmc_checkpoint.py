@@ -16,10 +16,10 @@ from typing import Any
 import torch
 
 from seqlab.nnqs.ansatz import Wavefunction
+from seqlab.nnqs.step_guard import GuardedState, StepGuard
 from seqlab.runtime.errors import CheckpointError
 from seqlab.runtime.rng import capture_rng, restore_rng
 from seqlab.runtime.rundir import first_existing, refuse_run
-from seqlab.nnqs.step_guard import GuardedState, StepGuard
 from seqlab.runtime.store import CheckpointStore, load_optimizer_state, optimizer_dict_from_tensors, \
     optimizer_dict_to_tensors, optimizer_state_to_tensors
 
