@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
+import shlex
 import time
 from pathlib import Path
 
@@ -47,6 +49,16 @@ def plot(rows: list[dict], path: Path) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
+def collect(run: Path) -> dict:
+    """One finished point of a scan, as ``run_all`` reports it (result.json plus the command that made it)."""
+    path = run / "result.json"
+    if not path.is_file():
+        raise SystemExit(f"{path}: missing (that point has not finished)")
+    res = json.loads(path.read_text())
+    res["command"] = f"seqlab nnqs --atom {shlex.quote(res['atom'])} --seed {res['seed']}"
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bonds", nargs="+", type=float, default=[1.0, 1.2, 1.6, 2.0, 2.4], help="N-N distances (Å)")
@@ -57,13 +69,19 @@ def main() -> None:
     ap.add_argument("--json", default="bench/results/nnqs_curve.json")
     ap.add_argument("--png", default="bench/results/nnqs_n2_curve.png")
     ap.add_argument("extra", nargs=argparse.REMAINDER, help="further `seqlab nnqs` flags after --")
+    ap.add_argument("--collect", metavar="DIR", help="run nothing: read DIR/r<R>/result.json of an earlier (or "
+                    "interrupted, then completed by hand) scan and write the table, JSON and plot")
     a = ap.parse_args()
     extra = [x for x in a.extra if x != "--"]
-    out = Path(a.out) / time.strftime("%Y%m%d-%H%M%S")
-    jobs = [(["--atom", f"N 0 0 0; N 0 0 {r}", "--seed", str(a.seed), *extra], out / f"r{r}") for r in a.bonds]
-    rows = run_all(jobs, a.threads, a.jobs)
+    if a.collect:
+        rows = [collect(Path(a.collect) / f"r{r}") for r in a.bonds]
+    else:
+        out = Path(a.out) / time.strftime("%Y%m%d-%H%M%S")
+        jobs = [(["--atom", f"N 0 0 0; N 0 0 {r}", "--seed", str(a.seed), *extra], out / f"r{r}") for r in a.bonds]
+        rows = run_all(jobs, a.threads, a.jobs)
     for r, row in zip(a.bonds, rows):
         row["bond_angstrom"] = r
+    rows.sort(key=lambda row: row["bond_angstrom"])  # run hardest-first if you like; report in order of R
     print(f"{'R (Å)':>6}{'E_FCI':>15}" + "".join(f"{name + ' err':>14}" for name, _ in METHODS[:-1]))
     for row in rows:
         errs = [None if row[k] is None else (row[k] - row["e_fci"]) * 1000 for _, k in METHODS[:-1]]

@@ -134,3 +134,17 @@ def test_unreadable_xyz_is_a_clear_error(tmp_path):
         read_xyz(tmp_path / "bin.xyz")
     with pytest.raises(MoleculeError, match="exactly one of --molecule NAME, --atom .* or --xyz FILE"):
         get_molecule("h2", xyz=tmp_path / "bin.xyz")
+
+
+def test_fci_takes_more_roots_only_when_the_lowest_has_the_wrong_spin():
+    """O2 in the N_alpha = N_beta sector: its ground state is a triplet, so the lowest root alone is not e_fci; the
+    reference then solves for more roots and takes the lowest singlet (an eigenvalue of the exact H), with a note."""
+    s = prepare(get_molecule(atom="O 0 0 0; O 0 0 1.21", spin=0), cc=False)
+    refs, ham = s.references, s.hamiltonian
+    assert len(refs.fci_roots) == 4 and abs(refs.fci_s2[0] - 2.0) < 1e-3
+    w = np.linalg.eigvalsh(ham.dense(tokens_to_keys(all_configurations(ham.n_orb, ham.n_alpha, ham.n_beta))))
+    assert abs(w[0] - refs.e_fci_sector) < 1e-8
+    assert refs.e_fci > refs.e_fci_sector + 1e-3 and np.abs(w - refs.e_fci).min() < 1e-8
+    assert any("different total spin" in n for n in refs.notes)
+    singlet = prepare(get_molecule("h2o"), cc=False).references  # the usual case: one root suffices
+    assert len(singlet.fci_roots) == 1 and singlet.e_fci == singlet.e_fci_sector

@@ -10,7 +10,7 @@ from pyscf import fci
 from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.nnqs.driver import run_vmc
 from seqlab.nnqs.molecules import get_molecule
-from seqlab.nnqs.references import prepare
+from seqlab.nnqs.references import build_pyscf, prepare, run_scf
 from seqlab.nnqs.space import all_configurations, keys_to_tokens, tokens_to_keys
 from seqlab.nnqs.vmc import VMCConfig
 from seqlab.nnqs.warm_start import WarmStartConfig, fit, overlap, pyscf_vector_to_keys, target_state
@@ -68,6 +68,29 @@ def test_ccsd_state_is_exact_for_two_distant_h2():
     assert float(sum(c**2 for c, n in zip(target.coeffs.tolist(), level) if n == 4)) > 1e-4
     assert abs(energy_of(ham, target.keys, target.coeffs) - s.references.e_fci) < 1e-8
     assert abs(target.energy - s.references.e_fci) < 1e-6  # PySCF's CCSD converges its energy to 1e-7
+
+
+@pytest.mark.parametrize("name", ["h2o", "nh3"])
+def test_casci_state_has_pyscf_casci_energy_under_seqlab_hamiltonian(system, name):
+    """The active strings are embedded above doubly occupied inner orbitals: keys and signs are right iff <c|H|c>
+    with seqlab's H over the whole sector equals PySCF's CASCI energy."""
+    s = system(name)
+    ham = s.hamiltonian
+    target = target_state("casci", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta, support=0.0)
+    assert target.method == "casci" and abs(float(target.coeffs.norm()) - 1) < 1e-12
+    assert abs(energy_of(ham, target.keys, target.coeffs) - target.energy) < 1e-8
+    assert s.references.e_fci < target.energy < s.references.e_hf - 1e-3
+
+
+def test_stretched_bond_where_ccsd_fails_fits_the_lower_of_cisd_and_casci():
+    """N2 at 2.4 Å: RHF-CCSD does not converge; CISD lies 268 mHa above FCI, the valence CASCI 8 mHa: the default
+    warm start must pick CASCI, and say why."""
+    mol = get_molecule(atom="N 0 0 0; N 0 0 2.4")
+    mf = run_scf(build_pyscf(mol))
+    with pytest.warns(UserWarning, match="CCSD did not converge"):
+        target = target_state("ccsd", mf, 10, 7, 7)
+    cisd = target_state("cisd", mf, 10, 7, 7)
+    assert target.method == "casci" and target.energy < cisd.energy - 0.1
 
 
 def test_fci_vector_mapping_gives_the_fci_energy(system):

@@ -94,9 +94,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"Adam's second-moment decay, in (0, 1) (default {WARM_START.beta2:g} / "
                         f"{RANDOM_START.beta2:g})")
     p.add_argument("--warm-start", choices=WARM_START_METHODS, default="ccsd",
-                   help="fit this PySCF state before VMC (default ccsd: exp(T)|HF> from PySCF's CCSD amplitudes, "
-                        "CISD where CCSD does not converge); none = random start with entropy annealing, the "
-                        "earlier recipe, which open shells (no restricted CCSD or CISD) also get")
+                   help="fit this PySCF state before VMC (default ccsd: exp(T)|HF> from PySCF's CCSD amplitudes; "
+                        "where CCSD does not converge, as in stretched bonds, the lower in energy of CISD and "
+                        "casci, the exact state of 6 electrons in the 6 orbitals around the Fermi level); none = "
+                        "random start with entropy annealing, the earlier recipe, which open shells (no restricted "
+                        "CCSD or CISD) also get")
     p.add_argument("--warm-start-steps", type=int, default=WarmStartConfig.steps,
                    help=f"supervised steps of the warm start (default {WarmStartConfig.steps})")
     p.add_argument("--anneal", type=float, default=None,

@@ -50,7 +50,8 @@ def ccsd_fcivec(mf, n_orb: int, nelec: tuple[int, int]) -> tuple[np.ndarray, flo
     solver.verbose = 0
     solver.kernel()
     if not solver.converged:
-        warnings.warn("warm start: CCSD did not converge; fitting CISD instead", stacklevel=3)
+        warnings.warn("warm start: CCSD did not converge; fitting the lower in energy of CISD and CASCI instead",
+                      stacklevel=3)
         return None
     hf = np.zeros((cistring.num_strings(n_orb, nelec[0]), cistring.num_strings(n_orb, nelec[1])))
     hf[0, 0] = 1.0  # PySCF's first string in each spin fills the lowest orbitals

@@ -229,3 +229,54 @@ def enumerate_log_prob(wf: Wavefunction, max_batch: int = 65536) -> tuple[Tensor
         else:
             stack.append(nxt)
     return torch.cat(done_tokens), torch.cat(done_lp)
+
+
+@torch.no_grad()
+def tree_log_prob(wf: Wavefunction, tokens: Tensor, max_batch: int = 65536) -> Tensor:
+    """log P [M] (float32) of given valid configurations [M, n_orb], walking only *their* prefix tree.
+
+    Outside the sector fast path the exact local energy needs psi on the configurations connected to the samples:
+    ~10^5-10^6 of them for a 26-spin-orbital molecule, which share long prefixes (the low orbitals stay doubly
+    occupied). Each unique prefix is read once on the KV cache, as in ``enumerate_log_prob``, instead of every
+    configuration running the full sequence; forced tails are finished without the network. Wide levels are
+    finished depth-first in chunks of ``max_batch`` prefixes (bounded memory). Rows come back in ``tokens``' order.
+    """
+    dev = next(wf.parameters()).device
+    n, dec = wf.n_orb, wf.decoder
+    tokens = tokens.to(device=dev, dtype=torch.long)
+    out = torch.empty(len(tokens), device=dev)
+    # (prefixes [U, i], their log P [U], KV cache, members: rows of `tokens` [R] and the prefix each is under [R])
+    stack = [(torch.zeros(1, 0, dtype=torch.long, device=dev), torch.zeros(1, device=dev), dec.new_cache(1, n),
+              torch.arange(len(tokens), device=dev), torch.zeros(len(tokens), dtype=torch.long, device=dev))]
+    while stack and len(tokens):
+        prefix, lp, cache, rows, owner = stack.pop()
+        i = prefix.shape[1]
+        forced = forced_completion(prefix, wf.n_alpha, wf.n_beta, n) if i < n else None
+        if i == n or (forced is not None and bool(forced.all())):
+            out[rows] = lp[owner]
+            continue
+        if forced is not None:  # members under a forced prefix are its only completion: their log P is the prefix's
+            done = forced[owner]
+            out[rows[done]] = lp[owner[done]]
+            keep = torch.nonzero(~forced).flatten()
+            new_index = torch.cumsum(~forced, 0) - 1
+            prefix, lp, rows, owner = prefix[keep], lp[keep], rows[~done], new_index[owner[~done]]
+            cache.reorder(keep)
+        if i == 0:
+            logits = prefill(dec, torch.full((len(prefix), 1), BOS, dtype=torch.long, device=dev), cache)
+        else:
+            logits = decode_step(dec, prefix[:, -1], cache)
+        alpha_left, beta_left = wf.n_alpha - (prefix & 1).sum(1), wf.n_beta - (prefix >> 1).sum(1)
+        cond = wf.masked_log_probs(logits, alpha_left, beta_left, n - i)
+        child, owner = torch.unique(owner * 4 + tokens[rows, i], return_inverse=True)  # sorted: parents in order
+        parent, tok = child // 4, child % 4
+        nxt_prefix, nxt_lp = torch.cat((prefix[parent], tok[:, None]), 1), lp[parent] + cond[parent, tok]
+        if len(child) <= max_batch:
+            cache.reorder(parent)
+            stack.append((nxt_prefix, nxt_lp, cache, rows, owner))
+            continue
+        for c in reversed(torch.arange(len(child), device=dev).split(max_batch)):  # each chunk copies only its rows
+            lo, hi = int(c[0]), int(c[-1]) + 1
+            mine = (owner >= lo) & (owner < hi)
+            stack.append((nxt_prefix[c], nxt_lp[c], cache.select(parent[c]), rows[mine], owner[mine] - lo))
+    return out

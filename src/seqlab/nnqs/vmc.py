@@ -32,7 +32,7 @@ from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.nnqs.hamiltonian import Hamiltonian
 from seqlab.nnqs.exact_sum import exact_sum, sector_log_psi
 from seqlab.nnqs.local_energy import MODES, PsiTable, SectorHamiltonian, local_energy
-from seqlab.nnqs.sampler import SamplerConfig, sample
+from seqlab.nnqs.sampler import SamplerConfig, sample, tree_log_prob
 from seqlab.nnqs.space import keys_to_tokens, n_configurations, tokens_to_bits, tokens_to_keys
 from seqlab.nnqs.sr import sr_direction
 from seqlab.runtime.dist import DistInfo, all_reduce_sum
@@ -150,11 +150,17 @@ def step_generators(seed: int, step: int, rank: int) -> tuple[torch.Generator, t
     return shared, local
 
 
-def make_evaluator(wf: Wavefunction):
+def make_evaluator(wf: Wavefunction, batch: int = 65536):
+    """log psi at configurations not yet seen (keys -> complex128): log P on their own prefix tree with the KV cache
+    (``tree_log_prob``: shared prefixes read once, several times cheaper than a forward per configuration), the
+    phase MLP in batches."""
     n = wf.n_orb
 
+    @torch.no_grad()
     def evaluate(keys: Tensor) -> Tensor:
-        return wf.log_psi(keys_to_tokens(keys, n))
+        tokens = keys_to_tokens(keys, n)
+        phase = torch.cat([wf.phase(t) for t in tokens.split(batch)]) if len(tokens) else torch.empty(0)
+        return torch.complex(0.5 * tree_log_prob(wf, tokens, batch).double(), phase.double())
 
     return evaluate
 

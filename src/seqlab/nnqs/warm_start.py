@@ -20,12 +20,13 @@ import torch
 from torch import Tensor
 
 from seqlab import runtime
+from seqlab.nnqs.active_space import casci_fcivec
 from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.nnqs.coupled_cluster import ccsd_fcivec
 from seqlab.nnqs.space import keys_to_tokens
 from seqlab.runtime.schedule import warmup_cosine
 
-METHODS = ("ccsd", "cisd", "hf", "none")
+METHODS = ("ccsd", "cisd", "casci", "hf", "none")
 # configurations with |c|^2 below this are left out of the fit: the loss is weighted by |c|^2, so they cannot move
 # it, while each costs a forward pass per step (CCSD puts 7 247 of C2's determinants above |c| = 1e-8, 1 074 above
 # |c|^2 = 1e-8 holding all but 2e-6 of the weight: 1.4 s a fit step against 0.2 s)
@@ -90,8 +91,10 @@ def pyscf_vector_to_keys(vec: np.ndarray, n_orb: int, n_alpha: int, n_beta: int)
 
 def target_state(method: str, mf, n_orb: int, n_alpha: int, n_beta: int,
                  support: float = SUPPORT_EPS) -> TargetState | None:
-    """The state to fit: CCSD's exp(T)|HF> or CISD from PySCF on ``mf``'s orbitals, or the HF determinant; None for
-    "none". Configurations with |c|^2 <= ``support`` are left out (0 keeps every nonzero one).
+    """The state to fit: CCSD's exp(T)|HF>, CISD or a valence CASCI from PySCF on ``mf``'s orbitals, or the HF
+    determinant; None for "none". Where CCSD does not converge, the lower in energy of CISD and CASCI (both
+    variational), which for stretched bonds is CASCI (``active_space.py``). Configurations with |c|^2 <= ``support``
+    are left out (0 keeps every nonzero one).
 
     CCSD and CISD are not available for open shells, where PySCF's are not spin-restricted, nor for spaces too large
     for PySCF's FCI-sized vector; then this warns and returns None, a random start (with annealing, ``recipe.py``).
@@ -110,14 +113,21 @@ def target_state(method: str, mf, n_orb: int, n_alpha: int, n_beta: int,
         return None
     from pyscf import ci as pyscf_ci  # optional heavy dependency (the nnqs extra)
 
-    ccsd = ccsd_fcivec(mf, n_orb, (n_alpha, n_beta)) if method == "ccsd" else None
+    nelec = (n_alpha, n_beta)
+    ccsd = ccsd_fcivec(mf, n_orb, nelec) if method == "ccsd" else None
+    candidates = {}
     if ccsd is not None:
-        vec, energy = ccsd
-    else:
-        method, solver = "cisd", pyscf_ci.CISD(mf)
+        candidates["ccsd"] = ccsd
+    if method == "cisd" or (method == "ccsd" and ccsd is None):
+        solver = pyscf_ci.CISD(mf)
         solver.verbose = 0
         solver.kernel()
-        vec, energy = solver.to_fcivec(solver.ci, n_orb, (n_alpha, n_beta)), float(solver.e_tot)
+        candidates["cisd"] = solver.to_fcivec(solver.ci, n_orb, nelec), float(solver.e_tot)
+    if method == "casci" or (method == "ccsd" and ccsd is None):
+        candidates["casci"] = casci_fcivec(mf, n_orb, nelec)
+    # where CCSD failed (static correlation) both variational fallbacks are solved and the lower energy is fitted
+    method = min(candidates, key=lambda m: candidates[m][1])
+    vec, energy = candidates[method]
     keys, coeffs = pyscf_vector_to_keys(vec, n_orb, n_alpha, n_beta)
     keep = coeffs**2 > support
     keys, coeffs = keys[keep], coeffs[keep]
