@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from seqlab.nnqs.recipe import RANDOM_START, WARM_START, default_steps, recipe_for
+from seqlab.nnqs.recipe import RANDOM_START, SAMPLED_SAMPLES, WARM_START, default_samples, default_steps, recipe_for
 from seqlab.nnqs.space import n_configurations
+from seqlab.nnqs.vmc import VMCConfig
 
 
 def test_run_length_follows_the_sector_size():
@@ -20,3 +21,12 @@ def test_each_start_gets_its_own_recipe():
     assert recipe_for("none") is RANDOM_START and recipe_for("ccsd") is recipe_for("cisd") is recipe_for("hf") is WARM_START
     assert WARM_START.anneal == 0 and RANDOM_START.anneal > 0
     assert WARM_START.lr < RANDOM_START.lr  # a fitted state is kicked out by the random start's rate
+
+
+def test_default_samples_are_finite_past_the_sector_fast_path():
+    """Past ``sector_max`` each unique sample costs a local energy over its connected configurations: N_s = 1e10
+    there drew ~1e5 unique samples of H2O/6-31G and ran out of memory, so the default drops to a few thousand."""
+    limit = VMCConfig.sector_max
+    assert default_samples(14_400, limit) == 10**10  # N2: the exact sum, N_s unused
+    assert default_samples(1_656_369, limit) == SAMPLED_SAMPLES <= 10_000  # H2O/6-31G
+    assert default_samples(limit, limit) == 10**10 and default_samples(limit + 1, limit) == SAMPLED_SAMPLES

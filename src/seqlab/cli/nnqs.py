@@ -15,7 +15,8 @@ from pathlib import Path
 from seqlab.nnqs.ansatz import AnsatzConfig
 from seqlab.nnqs.driver import RunResult, run_vmc
 from seqlab.nnqs.molecules import UNITS, get_molecule
-from seqlab.nnqs.recipe import RANDOM_START, WARM_START, Recipe, default_steps, recipe_for
+from seqlab.nnqs.recipe import (EXACT_SUM_SAMPLES, RANDOM_START, SAMPLED_SAMPLES, WARM_START, Recipe,
+                                 default_samples, default_steps, recipe_for)
 from seqlab.nnqs.references import prepare
 from seqlab.nnqs.sampler import SamplerConfig
 from seqlab.nnqs.space import n_configurations
@@ -63,8 +64,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=None,
                    help="VMC optimizer steps (default by the sector's size: 400 below 1000 determinants, 1000 below "
                         "10000, 2500 from there)")
-    p.add_argument("--samples", type=float, default=1e10,
-                   help="samples per step N_s (default 1e10; cost grows with the *unique* samples only)")
+    p.add_argument("--samples", type=float, default=None,
+                   help=f"samples per step N_s (default {EXACT_SUM_SAMPLES:.0e} where the sector fast path holds the "
+                        f"sector, {SAMPLED_SAMPLES} past it; cost grows with the *unique* samples only)")
     p.add_argument("--samples-final", type=float, default=None,
                    help="N_s at the last step: grows geometrically from --samples (default: constant N_s)")
     p.add_argument("--local-energy", choices=("exact", "sample-space"), default="exact",
@@ -158,11 +160,13 @@ def final_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def check_flags(args: argparse.Namespace) -> int:
-    """Refuse impossible numbers before any work starts; returns N_s as an integer."""
-    samples = int(args.samples) if args.samples == args.samples and abs(args.samples) != float("inf") else 0
-    if samples != args.samples or samples < 1:
-        raise ValueError(f"--samples must be a positive integer, got {args.samples:g}")
+def check_flags(args: argparse.Namespace) -> int | None:
+    """Refuse impossible numbers before any work starts; returns N_s as an integer (None: by the sector's size)."""
+    samples = None
+    if args.samples is not None:
+        samples = int(args.samples) if args.samples == args.samples and abs(args.samples) != float("inf") else 0
+        if samples != args.samples or samples < 1:
+            raise ValueError(f"--samples must be a positive integer, got {args.samples:g}")
     for flag, value, low in (("--warmup", args.warmup, 0), ("--anneal", args.anneal, 0), ("--steps", args.steps, 1),
                              ("--max-batch", args.max_batch, 1), ("--checkpoint-every", args.checkpoint_every, 1),
                              ("--threads", args.threads, 1), ("--warm-start-steps", args.warm_start_steps, 0),
@@ -242,9 +246,11 @@ def run(args: argparse.Namespace) -> int:
         refs, ham = system.references, system.hamiltonian
         warm = target_state(args.warm_start, system.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
         fill_recipe(args, recipe_for("none" if warm is None else warm.method))
+        n_conf = n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)
+        samples = samples or default_samples(n_conf, VMCConfig.sector_max)
         if args.steps is None:  # a resumed run keeps the length it was started with
             args.steps = ((checkpointed_steps(out) if args.resume else None)
-                          or default_steps(n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)))
+                          or default_steps(n_conf))
         cfg = VMCConfig(steps=args.steps, samples=samples, lr=args.lr,
                         samples_final=None if args.samples_final is None else int(args.samples_final),
                         warmup=args.warmup, anneal=args.anneal, min_lr_ratio=args.min_lr_ratio,

@@ -40,6 +40,13 @@ RANDOM_START = Recipe(lr=5e-3, warmup=20, anneal=0.07, phase_lr_scale=10.0, beta
 WARM_START = Recipe(lr=2e-3, warmup=40, anneal=0.0, phase_lr_scale=10.0, beta2=0.999, min_lr_ratio=0.02)
 
 
+# N_s per step where the sector is too large for the exact sum (VMCConfig.sector_max): each unique sample costs a
+# local energy over its ~10^3 connected configurations, so N_s = 1e10 (every probable configuration; ~1e5 unique
+# on H2O/6-31G after the warm start) needed 19 GB and was killed; 2 000 gives ~40-100 unique samples there, a few
+# seconds a step on one core (docs/nnqs.md, "Past the sector fast path")
+SAMPLED_SAMPLES = 2000
+EXACT_SUM_SAMPLES = 10**10  # where every configuration is summed exactly N_s is unused; sampled on purpose, all
+
 # (determinants in the (N_alpha, N_beta) sector up to which, VMC steps); larger sectors get LONG_RUN_STEPS
 STEPS_BY_SECTOR = ((999, 400), (9_999, 1000))
 LONG_RUN_STEPS = 2500
@@ -53,3 +60,9 @@ def default_steps(n_configurations: int) -> int:
 def recipe_for(warm_start: str) -> Recipe:
     """The recipe for a ``--warm-start`` method ("none" is the random start)."""
     return RANDOM_START if warm_start == "none" else WARM_START
+
+
+def default_samples(n_configurations: int, sector_max: int) -> int:
+    """N_s when ``--samples`` is left out: every probable configuration where the sector fast path holds the sector,
+    ``SAMPLED_SAMPLES`` past it."""
+    return EXACT_SUM_SAMPLES if n_configurations <= sector_max else SAMPLED_SAMPLES

@@ -68,6 +68,9 @@ class VMCConfig:
     # exact-sum: the gradient is summed over the most probable configurations holding all but this mass ...
     exact_tail: float = 1e-8
     exact_max_configs: int = 16384  # ... and at most this many (bounds the backward's cost)
+    # sampled: past this many unique samples the gradient is re-evaluated in chunks of this size (memory of one
+    # chunk's activations, ~0.1 MB per configuration; all of a 1.7 M sector's samples at once would need ~20 GB)
+    grad_chunk: int = 16384
     # entropy annealing: minimise E - T*S(P), T decaying linearly to 0 over the first anneal_frac of the steps.
     # T0 = anneal * (spread of diagonal energies over the first step's samples), so one value fits all molecules.
     anneal: float = 0.07
@@ -100,7 +103,7 @@ class VMCConfig:
             raise ValueError(f"VMCConfig.exact_max_configs: must be >= 1, got {self.exact_max_configs}")
         if self.samples_final is not None and self.samples_final < self.samples:
             raise ValueError(f"VMCConfig.samples_final: must be >= samples ({self.samples}), got {self.samples_final}")
-        for name, low in (("steps", 1), ("samples", 1), ("checkpoint_every", 1), ("keep_last", 0), ("warmup", 0),
+        for name, low in (("steps", 1), ("samples", 1), ("grad_chunk", 1), ("checkpoint_every", 1), ("keep_last", 0), ("warmup", 0),
                           ("anneal", 0), ("rollback_tol_mha", 0), ("rollback_after", 0)):
             if not getattr(self, name) >= low:  # `not >=` also refuses NaN
                 raise ValueError(f"VMCConfig.{name}: must be >= {low}, got {getattr(self, name)}")
@@ -221,8 +224,7 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
             sums = all_reduce_sum(torch.stack(((w * lp).sum(), w.sum())), dist)
             a = a + temp * (lp - sums[0] / sums[1])  # (exact sum: the mean over the gradient set)
         if len(tokens):
-            loss = (w * (a * logp.double() + 2 * de.imag * phase.double())).sum()
-            loss.backward()
+            backward_surrogate(wf, tokens, logp, phase, w * a, w * 2 * de.imag, cfg.grad_chunk)
     params = list(wf.parameters())
     for p in params:  # a rank whose share of the tree is empty still joins the all-reduce
         if p.grad is None:
@@ -244,13 +246,29 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
                      temperature_at(cfg, step, t0), tail)
 
 
+def backward_surrogate(wf: Wavefunction, tokens: Tensor, logp: Tensor, phase: Tensor, c_logp: Tensor,
+                       c_phase: Tensor, chunk: int) -> None:
+    """Accumulate d/dtheta sum(c_logp log P + c_phase phi): through the graph ``logp`` and ``phase`` carry, or, where
+    they were computed without one (more than ``chunk`` samples), by re-running the network chunk by chunk."""
+    if logp.requires_grad:
+        (c_logp * logp.double() + c_phase * phase.double()).sum().backward()
+        return
+    for rows in torch.arange(len(tokens)).split(chunk):
+        lp, ph = wf(tokens[rows])
+        (c_logp[rows] * lp.double() + c_phase[rows] * ph.double()).sum().backward()
+
+
 def sampled_local_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, tokens: Tensor,
                          sector: SectorHamiltonian | None) -> tuple[Tensor, Tensor, Tensor]:
     """(log P, phi) with gradients and exact (or sample-space) E_loc for this rank's unique samples."""
     if not len(tokens):  # this rank's share of the sample tree is empty (tiny spaces, many ranks)
         return torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.complex128)
     keys = tokens_to_keys(tokens)
-    logp, phase = wf(tokens)
+    if len(tokens) > cfg.grad_chunk:  # no graph now: backward_surrogate re-runs the network in chunks
+        log_psi = wf.log_psi(tokens, cfg.grad_chunk)
+        logp, phase = (2 * log_psi.real).float(), log_psi.imag.float()
+    else:
+        logp, phase = wf(tokens)
     with torch.no_grad():
         if sector is not None and cfg.local_energy == "exact":
             return logp, phase, sector.local_energy(keys, sector_log_psi(wf, sector))
