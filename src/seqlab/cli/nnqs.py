@@ -207,6 +207,7 @@ def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, a
         "n_alpha": mol.n_alpha, "n_beta": mol.n_beta, "n_configurations": fin["n_configurations"],
         "energy": fin["energy"], "energy_std": fin["energy_std"], "energy_variance": fin["variance"],
         "final_eval": fin["final_eval"], "final_eval_samples": fin["final_eval_samples"],
+        "final_eval_time_s": fin["time_s"],
         "e_hf": refs.e_hf, "e_ccsd": refs.e_ccsd, "e_ccsd_t": refs.e_ccsd_t, "e_fci": refs.e_fci,
         "e_fci_sector": refs.e_fci_sector,
         "error_mha": error_mha(fin["energy"]), "e_ccsd_t_error_mha": error_mha(refs.e_ccsd_t),

@@ -87,7 +87,9 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     t_start = time.perf_counter()
     warm = None
     if warm_start is not None and checkpoint is None:  # same seed, same data: every rank fits the same parameters
+        t_fit = time.perf_counter()
         warm = fit(wf, warm_start, warm_start_cfg or WarmStartConfig(), progress=dist.is_main and callback is not None)
+        warm["time_s"] = time.perf_counter() - t_fit
     if t0 is None:
         t0 = initial_temperature(wf, ham, cfg, dist)
     sector = build_sector(ham, cfg, dist)
@@ -126,7 +128,9 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     if stopped_at is not None:
         return RunResult(wf, records, None, time.perf_counter() - t_start, stopped_at, checkpoint, warm, estimator,
                          guard.rollbacks)
+    t_eval = time.perf_counter()
     final = evaluate_energy(wf, ham, cfg, dist)
+    final["time_s"] = time.perf_counter() - t_eval
     return RunResult(wf, records, final, time.perf_counter() - t_start, None, checkpoint, warm, estimator,
                      guard.rollbacks)
 
