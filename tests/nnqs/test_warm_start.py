@@ -93,6 +93,16 @@ def test_stretched_bond_where_ccsd_fails_fits_the_lower_of_cisd_and_casci():
     assert target.method == "casci" and target.energy < cisd.energy - 0.1
 
 
+def test_fit_set_keeps_the_largest_amplitudes_up_to_the_cap(system):
+    s = system("nh3")
+    ham = s.hamiltonian
+    full = target_state("ccsd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta, max_configs=10**9)
+    capped = target_state("ccsd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta, max_configs=50)
+    assert len(full.keys) > 50 and len(capped.keys) == 50 and abs(float(capped.coeffs.norm()) - 1) < 1e-12
+    largest = torch.topk(full.coeffs.abs(), 50).indices
+    assert set(capped.keys.tolist()) == set(full.keys[largest].tolist())
+
+
 def test_fci_vector_mapping_gives_the_fci_energy(system):
     s = system("h2o")
     ham = s.hamiltonian
