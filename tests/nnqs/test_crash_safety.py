@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from seqlab.nnqs.driver import run_vmc
 from seqlab.nnqs.vmc import VMCConfig
 from seqlab.nnqs.vmc_checkpoint import checkpoint_store
+from seqlab.nnqs.warm_start import WarmStartConfig, target_state
 from seqlab.runtime.signals import GracefulStop
 
 # every field of a step row that is not a clock reading
@@ -156,3 +157,20 @@ def test_first_sigint_checkpoints_the_step_and_a_second_one_leaves_at_once(tmp_p
     with GracefulStop() as stop, pytest.raises(KeyboardInterrupt):
         run_vmc(ham, VMCConfig(steps=50, checkpoint_every=40), out=tmp_path / "two", callback=send(2), stop=stop)
     assert _latest_step(tmp_path / "two") == 0
+
+
+def test_stop_during_the_warm_start_fit_leaves_nothing_to_resume(tmp_path, system):
+    """A stop requested while the warm start is being fitted ends the run before any VMC step, without a checkpoint of
+    the half-fitted state; the same command then starts afresh in the same directory."""
+    s = system("lih")
+    ham = s.hamiltonian
+    target = target_state("ccsd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
+    stop = GracefulStop()
+    stop.requested = True
+    res = run_vmc(ham, VMCConfig(steps=3), out=tmp_path / "run", stop=stop, warm_start=target,
+                  warm_start_cfg=WarmStartConfig(steps=200))
+    assert (res.stopped_at, res.final, res.checkpoint, res.records) == (0, None, None, [])
+    assert not [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    res = run_vmc(ham, VMCConfig(steps=3, anneal=0.0), out=tmp_path / "run", warm_start=target,
+                  warm_start_cfg=WarmStartConfig(steps=20))
+    assert res.final is not None and res.warm_start["steps"] == 20 and res.warm_start["time_s"] > 0

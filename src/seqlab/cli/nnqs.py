@@ -296,7 +296,10 @@ def run(args: argparse.Namespace) -> int:
 
 def stopped(res: RunResult, out: Path, stop: GracefulStop, is_main: bool) -> int:
     """After a signal: say where the checkpoint is and how to continue; exit 128 + the signal's number."""
-    if is_main:
+    if is_main and res.checkpoint is None:
+        print("stopped during the warm start: nothing was checkpointed; the same command starts afresh",
+              file=sys.stderr)
+    elif is_main:
         print(f"stopped after step {res.stopped_at}: checkpoint {res.checkpoint}; continue with the same command "
               f"and --resume", file=sys.stderr)
     return stop.exit_code

@@ -30,6 +30,7 @@ from seqlab.runtime.logbook import Logbook
 from seqlab.runtime.signals import GracefulStop
 
 CHEMICAL_ACCURACY_MHA = 1.6
+STOP_POLL = 20  # warm-start fit steps between stop checks across ranks (each check is an all-reduce)
 
 
 @dataclass
@@ -88,7 +89,16 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     warm = None
     if warm_start is not None and checkpoint is None:  # same seed, same data: every rank fits the same parameters
         t_fit = time.perf_counter()
-        warm = fit(wf, warm_start, warm_start_cfg or WarmStartConfig(), progress=dist.is_main and callback is not None)
+
+        def fit_stop(step: int) -> bool:  # all ranks agree, every STOP_POLL steps when there are several
+            if stop is None or (dist.world_size > 1 and step % STOP_POLL):
+                return False
+            return any_rank(stop.requested, dist)
+
+        warm = fit(wf, warm_start, warm_start_cfg or WarmStartConfig(), progress=dist.is_main and callback is not None,
+                   should_stop=fit_stop)
+        if warm is None:  # stopped during the fit: no checkpoint, so the same command starts afresh
+            return RunResult(wf, [], None, time.perf_counter() - t_start, 0, None, None)
         warm["time_s"] = time.perf_counter() - t_fit
     if t0 is None:
         t0 = initial_temperature(wf, ham, cfg, dist)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,8 +142,10 @@ def target_state(method: str, mf, n_orb: int, n_alpha: int, n_beta: int,
     return TargetState(keys, coeffs / coeffs.norm(), method, energy)
 
 
-def fit(wf: Wavefunction, target: TargetState, cfg: WarmStartConfig, progress: bool = False) -> dict:
-    """Fit P to |c|^2 (weighted cross-entropy) and phi to the signs of c; returns the final losses and overlap.
+def fit(wf: Wavefunction, target: TargetState, cfg: WarmStartConfig, progress: bool = False,
+        should_stop: Callable[[int], bool] | None = None) -> dict | None:
+    """Fit P to |c|^2 (weighted cross-entropy) and phi to the signs of c; returns the final losses and overlap, or
+    None when ``should_stop(step)`` turned true first (a signal: a half-fitted state is not worth keeping).
 
     The phase loss sum w (1 - cos(phi - arg c)) is zero exactly when every sign is right, whatever the offset
     conventions; both losses use the target's weights, so what VMC will see most is fitted best.
@@ -154,6 +157,8 @@ def fit(wf: Wavefunction, target: TargetState, cfg: WarmStartConfig, progress: b
     cross_entropy = phase_loss = float("nan")
     with runtime.progress(total=cfg.steps, desc="warm start", unit="step", enabled=progress) as bar:
         for step in range(cfg.steps):
+            if should_stop is not None and should_stop(step):
+                return None
             for group in opt.param_groups:
                 group["lr"] = warmup_cosine(step, cfg.steps - 1, cfg.lr, 0, cfg.min_lr_ratio)
             log_p, phase = wf(tokens)
