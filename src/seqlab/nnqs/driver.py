@@ -64,8 +64,9 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
 
     ``e_ref`` (FCI) adds ``error_mha`` to every row; ``references`` ({"HF": e, "CCSD(T)": e, ...}) are drawn as
     levels in the plots. A fresh run with ``warm_start`` first fits that state (``warm_start.fit``; a resumed run
-    has its parameters already). When ``stop.requested`` turns true (a signal), the run finishes its step, checkpoints it
-    and returns with ``stopped_at`` set and no final evaluation. ``callback(stats)`` follows every step.
+    has its parameters already). When ``stop.requested`` turns true (a signal), the run finishes its step,
+    checkpoints it and returns with ``stopped_at`` set and no final evaluation; during the warm-start fit it returns
+    at once with ``stopped_at`` 0 and no checkpoint. ``callback(stats)`` follows every step.
     """
     dist = dist or DistInfo()
     if cfg.sr and dist.world_size > 1:

@@ -103,8 +103,8 @@ class VMCConfig:
             raise ValueError(f"VMCConfig.exact_max_configs: must be >= 1, got {self.exact_max_configs}")
         if self.samples_final is not None and self.samples_final < self.samples:
             raise ValueError(f"VMCConfig.samples_final: must be >= samples ({self.samples}), got {self.samples_final}")
-        for name, low in (("steps", 1), ("samples", 1), ("grad_chunk", 1), ("checkpoint_every", 1), ("keep_last", 0), ("warmup", 0),
-                          ("anneal", 0), ("rollback_tol_mha", 0), ("rollback_after", 0)):
+        for name, low in (("steps", 1), ("samples", 1), ("grad_chunk", 1), ("checkpoint_every", 1), ("keep_last", 0),
+                          ("warmup", 0), ("anneal", 0), ("rollback_tol_mha", 0), ("rollback_after", 0)):
             if not getattr(self, name) >= low:  # `not >=` also refuses NaN
                 raise ValueError(f"VMCConfig.{name}: must be >= {low}, got {getattr(self, name)}")
         if self.sector_max < 0:
