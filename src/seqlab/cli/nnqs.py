@@ -95,10 +95,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--beta2", type=float, default=None,
                    help=f"Adam's second-moment decay, in (0, 1) (default {WARM_START.beta2:g} / "
                         f"{RANDOM_START.beta2:g})")
-    p.add_argument("--warm-start", choices=WARM_START_METHODS, default="ccsd",
-                   help="fit this PySCF state before VMC (default ccsd: exp(T)|HF> from PySCF's CCSD amplitudes; "
-                        "where CCSD does not converge, as in stretched bonds, the lower in energy of CISD and "
-                        "casci, the exact state of 6 electrons in the 6 orbitals around the Fermi level); none = "
+    p.add_argument("--warm-start", choices=WARM_START_METHODS, default="auto",
+                   help="fit this PySCF state before VMC. auto (default): the lowest in variational energy of ccsd "
+                        "(exp(T)|HF> from PySCF's CCSD amplitudes), cisd and casci (the exact state of 6 electrons "
+                        "in the 6 orbitals around the Fermi level): CCSD near equilibrium, CASCI for stretched "
+                        "bonds; ccsd falls back to the lower of cisd and casci where CCSD does not converge; none = "
                         "random start with entropy annealing, the earlier recipe, which open shells (no restricted "
                         "CCSD or CISD) also get")
     p.add_argument("--warm-start-steps", type=int, default=WarmStartConfig.steps,

@@ -15,6 +15,8 @@ import warnings
 
 import numpy as np
 
+from seqlab.nnqs.hamiltonian import mo_integrals
+
 MAX_TERMS = 64  # T is nilpotent on a finite space; this only guards against a bug looping forever
 
 
@@ -62,3 +64,12 @@ def ccsd_fcivec(mf, n_orb: int, nelec: tuple[int, int]) -> tuple[np.ndarray, flo
         if np.abs(term).max() < 1e-14:
             break
     return total, float(solver.e_tot)
+
+
+def state_energy(mf, vec: np.ndarray, n_orb: int, nelec: tuple[int, int]) -> float:
+    """<v|H|v> / <v|v> of a state on PySCF's determinant vector, in ``mf``'s orbitals (one H application)."""
+    from pyscf.fci import direct_spin1  # optional heavy dependency (the nnqs extra)
+
+    h1, eri, e_nuc = mo_integrals(mf)
+    hv = direct_spin1.contract_2e(direct_spin1.absorb_h1e(h1, eri, n_orb, nelec, 0.5), vec, n_orb, nelec)
+    return float(np.vdot(vec, hv) / np.vdot(vec, vec)) + e_nuc

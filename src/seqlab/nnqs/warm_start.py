@@ -23,11 +23,12 @@ from torch import Tensor
 from seqlab import runtime
 from seqlab.nnqs.active_space import casci_fcivec
 from seqlab.nnqs.ansatz import Wavefunction
-from seqlab.nnqs.coupled_cluster import ccsd_fcivec
+from seqlab.nnqs.coupled_cluster import ccsd_fcivec, state_energy
 from seqlab.nnqs.space import keys_to_tokens
 from seqlab.runtime.schedule import warmup_cosine
 
-METHODS = ("ccsd", "cisd", "casci", "hf", "none")
+METHODS = ("auto", "ccsd", "cisd", "casci", "hf", "none")
+AUTO_MARGIN = 1e-4  # Ha: "auto" prefers CCSD, then CISD, unless a later candidate is lower by more than this
 # configurations with |c|^2 below this are left out of the fit: the loss is weighted by |c|^2, so they cannot move
 # it, while each costs a forward pass per step (CCSD puts 7 247 of C2's determinants above |c| = 1e-8, 1 074 above
 # |c|^2 = 1e-8 holding all but 2e-6 of the weight: 1.4 s a fit step against 0.2 s)
@@ -41,7 +42,7 @@ MAX_FCIVEC = 20_000_000  # CISD is mapped through PySCF's FCI-sized vector; past
 
 @dataclass
 class WarmStartConfig:
-    method: str = "ccsd"
+    method: str = "auto"
     steps: int = 1500
     lr: float = 3e-3
     # cosine decay to lr * min_lr_ratio at the last step: at a constant 3e-3 some seeds stay in a poor fit (H2O
@@ -69,6 +70,7 @@ class TargetState:
     coeffs: Tensor  # [M] float64, sum of squares 1
     method: str
     energy: float | None = None  # the method's own energy (PySCF), for the log
+    variational_energy: float | None = None  # <c|H|c> of the state itself (CCSD's energy above is projected)
 
 
 def pyscf_vector_to_keys(vec: np.ndarray, n_orb: int, n_alpha: int, n_beta: int) -> tuple[Tensor, Tensor]:
@@ -97,9 +99,10 @@ def pyscf_vector_to_keys(vec: np.ndarray, n_orb: int, n_alpha: int, n_beta: int)
 def target_state(method: str, mf, n_orb: int, n_alpha: int, n_beta: int,
                  support: float = SUPPORT_EPS, max_configs: int = MAX_FIT_CONFIGS) -> TargetState | None:
     """The state to fit: CCSD's exp(T)|HF>, CISD or a valence CASCI from PySCF on ``mf``'s orbitals, or the HF
-    determinant; None for "none". Where CCSD does not converge, the lower in energy of CISD and CASCI (both
-    variational), which for stretched bonds is CASCI (``active_space.py``). Configurations with |c|^2 <= ``support``
-    are left out (0 keeps every nonzero one), and past ``max_configs`` the smallest.
+    determinant; None for "none". "auto" takes whichever of the three has the lowest variational energy: CCSD near
+    equilibrium, CASCI for stretched bonds (``active_space.py``); "ccsd" falls back to the lower of CISD and CASCI
+    where CCSD does not converge. Configurations with |c|^2 <= ``support`` are left out (0 keeps every nonzero
+    one), and past ``max_configs`` the smallest.
 
     CCSD and CISD are not available for open shells, where PySCF's are not spin-restricted, nor for spaces too large
     for PySCF's FCI-sized vector; then this warns and returns None, a random start (with annealing, ``recipe.py``).
@@ -109,7 +112,7 @@ def target_state(method: str, mf, n_orb: int, n_alpha: int, n_beta: int,
     if method == "none":
         return None
     hf_key = sum(1 << (2 * i) for i in range(n_alpha)) + sum(1 << (2 * i + 1) for i in range(n_beta))
-    hf = TargetState(torch.tensor([hf_key]), torch.ones(1, dtype=torch.float64), "hf", float(mf.e_tot))
+    hf = TargetState(torch.tensor([hf_key]), torch.ones(1, dtype=torch.float64), "hf", float(mf.e_tot), float(mf.e_tot))
     if method == "hf":
         return hf
     if n_alpha != n_beta or math.comb(n_orb, n_alpha) * math.comb(n_orb, n_beta) > MAX_FCIVEC:
@@ -119,27 +122,31 @@ def target_state(method: str, mf, n_orb: int, n_alpha: int, n_beta: int,
     from pyscf import ci as pyscf_ci  # optional heavy dependency (the nnqs extra)
 
     nelec = (n_alpha, n_beta)
-    ccsd = ccsd_fcivec(mf, n_orb, nelec) if method == "ccsd" else None
-    candidates = {}
-    if ccsd is not None:
-        candidates["ccsd"] = ccsd
-    if method == "cisd" or (method == "ccsd" and ccsd is None):
+    candidates = {}  # method -> (vector, the method's own energy, the vector's variational energy)
+    if method in ("auto", "ccsd"):
+        ccsd = ccsd_fcivec(mf, n_orb, nelec)
+        if ccsd is not None:  # CCSD's energy is projected: the state's own energy takes one H application
+            candidates["ccsd"] = (*ccsd, state_energy(mf, ccsd[0], n_orb, nelec))
+    fallback = method == "auto" or (method == "ccsd" and not candidates)
+    if method == "cisd" or fallback:
         solver = pyscf_ci.CISD(mf)
         solver.verbose = 0
         solver.kernel()
-        candidates["cisd"] = solver.to_fcivec(solver.ci, n_orb, nelec), float(solver.e_tot)
-    if method == "casci" or (method == "ccsd" and ccsd is None):
-        candidates["casci"] = casci_fcivec(mf, n_orb, nelec)
-    # where CCSD failed (static correlation) both variational fallbacks are solved and the lower energy is fitted
-    method = min(candidates, key=lambda m: candidates[m][1])
-    vec, energy = candidates[method]
+        candidates["cisd"] = (solver.to_fcivec(solver.ci, n_orb, nelec), float(solver.e_tot), float(solver.e_tot))
+    if method == "casci" or fallback:
+        vec, energy = casci_fcivec(mf, n_orb, nelec)
+        candidates["casci"] = (vec, energy, energy)
+    # the lowest variational energy; within AUTO_MARGIN the earlier of CCSD, CISD, CASCI (H2: all three are FCI)
+    lowest = min(c[2] for c in candidates.values())
+    method = next(m for m, c in candidates.items() if c[2] <= lowest + AUTO_MARGIN)
+    vec, energy, variational = candidates[method]
     keys, coeffs = pyscf_vector_to_keys(vec, n_orb, n_alpha, n_beta)
     keep = coeffs**2 > support
     keys, coeffs = keys[keep], coeffs[keep]
     if len(coeffs) > max_configs:  # the largest |c| only: each fit step is a forward and backward over all of them
         top = torch.topk(coeffs.abs(), max_configs).indices
         keys, coeffs = keys[top], coeffs[top]
-    return TargetState(keys, coeffs / coeffs.norm(), method, energy)
+    return TargetState(keys, coeffs / coeffs.norm(), method, energy, variational)
 
 
 def fit(wf: Wavefunction, target: TargetState, cfg: WarmStartConfig, progress: bool = False,
@@ -170,7 +177,8 @@ def fit(wf: Wavefunction, target: TargetState, cfg: WarmStartConfig, progress: b
             cross_entropy, phase_loss = ce.item(), pl.item()
             bar.update(1)
     return {"method": target.method, "steps": cfg.steps, "cross_entropy": cross_entropy, "phase_loss": phase_loss,
-            "overlap": overlap(wf, target), "target_energy": target.energy}
+            "overlap": overlap(wf, target), "target_energy": target.energy,
+            "target_variational_energy": target.variational_energy}
 
 
 @torch.no_grad()
