@@ -43,7 +43,8 @@ WARM_START = Recipe(lr=2e-3, warmup=40, anneal=0.0, phase_lr_scale=10.0, beta2=0
 # N_s per step where the sector is too large for the exact sum (VMCConfig.sector_max): each unique sample costs a
 # local energy over its ~10^3 connected configurations, so N_s = 1e10 (every probable configuration; ~1e5 unique
 # on H2O/6-31G after the warm start) needed 19 GB and was killed; 2 000 gives ~40-100 unique samples there, a few
-# seconds a step on one core (docs/nnqs.md, "Past the sector fast path")
+# seconds a step on one core. It bounds the cost, not the outcome: that run still collapsed onto HF (docs/nnqs.md,
+# "Past the sector fast path")
 SAMPLED_SAMPLES = 2000
 EXACT_SUM_SAMPLES = 10**10  # where every configuration is summed exactly N_s is unused; sampled on purpose, all
 
