@@ -30,7 +30,8 @@ from seqlab.runtime.rundir import claim_run_dir
 from seqlab.runtime.signals import GracefulStop
 
 EPILOG = """\
-Expected run time with the defaults (CCSD warm start, exact sum; 1 thread, CPU time; see docs/nnqs.md):
+Expected run time with the defaults (warm start on the lowest of CCSD, CISD and a valence CASCI, which is CCSD
+for every built-in molecule; exact sum; 1 thread, CPU time; see docs/nnqs.md):
   h2 ~10 s, lih ~20 s (0.05-0.15 mHa, 3 seeds), h2o ~35 s (0.19-0.22 mHa, 3 seeds), nh3 ~4 min (1000 steps,
   0.40-0.58 mHa, 3 seeds). n2 (20 spin orbitals, 14400 determinants): 2500 steps, ~20-27 min; seeds 0/1/2
   ended at 0.41 / 0.26 / 0.35 mHa on one machine and 2.23 / 1.10 / 6.78 on another (runs part with rounding).
