@@ -101,17 +101,6 @@ def test_ccsd_state_energy_is_its_expectation_value_under_seqlab_hamiltonian(sys
     assert target.variational_energy > s.references.e_fci and target.variational_energy != target.energy
 
 
-@pytest.mark.parametrize("bond, picked", [(1.0977, "ccsd"), (2.0, "casci")])
-def test_auto_takes_the_lowest_variational_energy(bond, picked):
-    """N2 near equilibrium: CCSD's state (2.3 mHa above FCI) beats CISD (12.3) and the valence CASCI (31.0); at
-    2.0 Å CCSD still converges but its state is 57 mHa off, and CASCI (18 mHa) is taken."""
-    mf = run_scf(build_pyscf(get_molecule(atom=f"N 0 0 0; N 0 0 {bond}")))
-    auto = target_state("auto", mf, 10, 7, 7)
-    others = [target_state(m, mf, 10, 7, 7) for m in ("ccsd", "cisd", "casci")]
-    assert auto.method == picked
-    assert auto.variational_energy == min(t.variational_energy for t in others)
-
-
 def test_fit_set_keeps_the_largest_amplitudes_up_to_the_cap(system):
     s = system("nh3")
     ham = s.hamiltonian

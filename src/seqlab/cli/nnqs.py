@@ -30,8 +30,8 @@ from seqlab.runtime.rundir import claim_run_dir
 from seqlab.runtime.signals import GracefulStop
 
 EPILOG = """\
-Expected run time with the defaults (warm start on the lowest of CCSD, CISD and a valence CASCI, which is CCSD
-for every built-in molecule; exact sum; 1 thread, CPU time; see docs/nnqs.md):
+Expected run time with the defaults (CCSD warm start, a valence CASCI where CCSD does not converge; exact sum;
+1 thread, CPU time; see docs/nnqs.md):
   h2 ~10 s, lih ~20 s (0.05-0.15 mHa, 3 seeds), h2o ~35 s (0.19-0.22 mHa, 3 seeds), nh3 ~4 min (1000 steps,
   0.40-0.58 mHa, 3 seeds). n2 (20 spin orbitals, 14400 determinants): 2500 steps, ~20-27 min; seeds 0/1/2
   ended at 0.41 / 0.26 / 0.35 mHa on one machine and 2.23 / 1.10 / 6.78 on another (runs part with rounding).
@@ -96,11 +96,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--beta2", type=float, default=None,
                    help=f"Adam's second-moment decay, in (0, 1) (default {WARM_START.beta2:g} / "
                         f"{RANDOM_START.beta2:g})")
-    p.add_argument("--warm-start", choices=WARM_START_METHODS, default="auto",
-                   help="fit this PySCF state before VMC. auto (default): the lowest in variational energy of ccsd "
-                        "(exp(T)|HF> from PySCF's CCSD amplitudes), cisd and casci (the exact state of 6 electrons "
-                        "in the 6 orbitals around the Fermi level): CCSD near equilibrium, CASCI for stretched "
-                        "bonds; ccsd falls back to the lower of cisd and casci where CCSD does not converge; none = "
+    p.add_argument("--warm-start", choices=WARM_START_METHODS, default="ccsd",
+                   help="fit this PySCF state before VMC (default ccsd: exp(T)|HF> from PySCF's CCSD amplitudes; "
+                        "where CCSD does not converge, as in stretched bonds, the lower in energy of cisd and "
+                        "casci, the exact state of 6 electrons in the 6 orbitals around the Fermi level); none = "
                         "random start with entropy annealing, the earlier recipe, which open shells (no restricted "
                         "CCSD or CISD) also get")
     p.add_argument("--warm-start-steps", type=int, default=WarmStartConfig.steps,
