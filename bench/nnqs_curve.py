@@ -7,6 +7,7 @@ with the 1.6 mHa line.
 
     python bench/nnqs_curve.py --jobs 2 --threads 1
     python bench/nnqs_curve.py --bonds 1.0 2.0 -- --steps 300
+    python bench/nnqs_curve.py --collect runs/bench_nnqs_curve/DATE   # table, JSON and plot of an earlier scan
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 from nnqs_runs import mha, run_all, write_json
 
 from seqlab.nnqs.driver import CHEMICAL_ACCURACY_MHA
+from seqlab.nnqs.molecules import get_molecule
+from seqlab.nnqs.references import prepare
 from seqlab.runtime import atomic_write_bytes
 
 METHODS = (("HF", "e_hf"), ("CCSD", "e_ccsd"), ("CCSD(T)", "e_ccsd_t"), ("NNQS", "energy"), ("FCI", "e_fci"))
@@ -49,14 +52,23 @@ def plot(rows: list[dict], path: Path) -> None:
     atomic_write_bytes(path, buf.getvalue())
 
 
-def collect(run: Path) -> dict:
-    """One finished point of a scan, as ``run_all`` reports it (result.json plus the command that made it)."""
+def collect(run: Path, bond: float, seed: int) -> dict:
+    """One point of a scan, as ``run_all`` reports it (result.json plus the command that made it). A point still
+    running (or stopped) has no result.json: its last logged step stands in, with the references recomputed on the
+    same geometry and ``unfinished_at_step`` set, so a partial curve says exactly how far each point got."""
+    atom = f"N 0 0 0; N 0 0 {bond}"
+    command = f"seqlab nnqs --atom {shlex.quote(atom)} --seed {seed}"
     path = run / "result.json"
-    if not path.is_file():
-        raise SystemExit(f"{path}: missing (that point has not finished)")
-    res = json.loads(path.read_text())
-    res["command"] = f"seqlab nnqs --atom {shlex.quote(res['atom'])} --seed {res['seed']}"
-    return res
+    if path.is_file():
+        return {**json.loads(path.read_text()), "command": command}
+    log = run / "energies.jsonl"
+    if not log.is_file():
+        raise SystemExit(f"{run}: neither result.json nor energies.jsonl (that point never started)")
+    last = json.loads(log.read_text().splitlines()[-1])
+    refs = prepare(get_molecule(atom=atom)).references
+    return {"atom": atom, "seed": seed, "command": command, "energy": last["energy"], "e_hf": refs.e_hf,
+            "e_ccsd": refs.e_ccsd, "e_ccsd_t": refs.e_ccsd_t, "e_fci": refs.e_fci,
+            "error_mha": (last["energy"] - refs.e_fci) * 1000, "unfinished_at_step": last["step"]}
 
 
 def main() -> None:
@@ -74,7 +86,7 @@ def main() -> None:
     a = ap.parse_args()
     extra = [x for x in a.extra if x != "--"]
     if a.collect:
-        rows = [collect(Path(a.collect) / f"r{r}") for r in a.bonds]
+        rows = [collect(Path(a.collect) / f"r{r}", r, a.seed) for r in a.bonds]
     else:
         out = Path(a.out) / time.strftime("%Y%m%d-%H%M%S")
         jobs = [(["--atom", f"N 0 0 0; N 0 0 {r}", "--seed", str(a.seed), *extra], out / f"r{r}") for r in a.bonds]
@@ -85,7 +97,8 @@ def main() -> None:
     print(f"{'R (Å)':>6}{'E_FCI':>15}" + "".join(f"{name + ' err':>14}" for name, _ in METHODS[:-1]))
     for row in rows:
         errs = [None if row[k] is None else (row[k] - row["e_fci"]) * 1000 for _, k in METHODS[:-1]]
-        print(f"{row['bond_angstrom']:>6.2f}{row['e_fci']:>15.6f}" + "".join(f"{mha(e):>14}" for e in errs))
+        partial = f"   (unfinished: step {row['unfinished_at_step']})" if "unfinished_at_step" in row else ""
+        print(f"{row['bond_angstrom']:>6.2f}{row['e_fci']:>15.6f}" + "".join(f"{mha(e):>14}" for e in errs) + partial)
     plot(rows, Path(a.png))
     print(f"wrote {write_json(a.json, rows, a.threads, a.jobs)} and {a.png}")
 
