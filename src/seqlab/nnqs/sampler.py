@@ -183,6 +183,19 @@ def complete_forced(prefix: Tensor, n_alpha: int, n_beta: int, n_orb: int) -> Te
     return torch.cat((prefix, token[:, None].expand(-1, n_orb - prefix.shape[1])), 1)
 
 
+def _next_conditionals(wf: Wavefunction, prefix: Tensor, cache) -> tuple[Tensor, Tensor, Tensor]:
+    """log P(t_i | prefix) [U, 4] of the next orbital, masked to valid tokens, from the prefixes' last token on the
+    KV cache (BOS at the root); and each prefix's electrons left per spin [U]. The tree walks' common step."""
+    i = prefix.shape[1]
+    if i == 0:
+        bos = torch.full((len(prefix), 1), BOS, dtype=torch.long, device=prefix.device)
+        logits = prefill(wf.decoder, bos, cache)
+    else:
+        logits = decode_step(wf.decoder, prefix[:, -1], cache)
+    alpha_left, beta_left = wf.n_alpha - (prefix & 1).sum(1), wf.n_beta - (prefix >> 1).sum(1)
+    return wf.masked_log_probs(logits, alpha_left, beta_left, wf.n_orb - i), alpha_left, beta_left
+
+
 @torch.no_grad()
 def enumerate_log_prob(wf: Wavefunction, max_batch: int = 65536) -> tuple[Tensor, Tensor]:
     """Every valid configuration [D, n_orb] and its log P [D] (float32), by walking the *whole* prefix tree.
@@ -214,12 +227,7 @@ def enumerate_log_prob(wf: Wavefunction, max_batch: int = 65536) -> tuple[Tensor
             done_tokens.append(prefix)
             done_lp.append(lp)
             continue
-        if i == 0:
-            logits = prefill(dec, torch.full((len(prefix), 1), BOS, dtype=torch.long, device=dev), cache)
-        else:
-            logits = decode_step(dec, prefix[:, -1], cache)
-        alpha_left, beta_left = wf.n_alpha - (prefix & 1).sum(1), wf.n_beta - (prefix >> 1).sum(1)
-        cond = wf.masked_log_probs(logits, alpha_left, beta_left, n - i)
+        cond, alpha_left, beta_left = _next_conditionals(wf, prefix, cache)
         row, tok = torch.nonzero(valid_token_mask(alpha_left, beta_left, n - i), as_tuple=True)
         cache.reorder(row)
         nxt = (torch.cat((prefix[row], tok[:, None]), 1), lp[row] + cond[row, tok], cache)
@@ -262,12 +270,7 @@ def tree_log_prob(wf: Wavefunction, tokens: Tensor, max_batch: int = 65536) -> T
             new_index = torch.cumsum(~forced, 0) - 1
             prefix, lp, rows, owner = prefix[keep], lp[keep], rows[~done], new_index[owner[~done]]
             cache.reorder(keep)
-        if i == 0:
-            logits = prefill(dec, torch.full((len(prefix), 1), BOS, dtype=torch.long, device=dev), cache)
-        else:
-            logits = decode_step(dec, prefix[:, -1], cache)
-        alpha_left, beta_left = wf.n_alpha - (prefix & 1).sum(1), wf.n_beta - (prefix >> 1).sum(1)
-        cond = wf.masked_log_probs(logits, alpha_left, beta_left, n - i)
+        cond = _next_conditionals(wf, prefix, cache)[0]
         child, owner = torch.unique(owner * 4 + tokens[rows, i], return_inverse=True)  # sorted: parents in order
         parent, tok = child // 4, child % 4
         nxt_prefix, nxt_lp = torch.cat((prefix[parent], tok[:, None]), 1), lp[parent] + cond[parent, tok]
