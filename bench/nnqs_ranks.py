@@ -2,8 +2,8 @@
 
 Each configuration runs the CLI a user types (``seqlab nnqs`` or ``torchrun --nproc-per-node 2 -m seqlab.cli.nnqs``,
 1 torch thread per rank) and reads the per-step times from energies.jsonl: sampling, local energy, backward + update,
-medians over the steps after the first few. The sampled estimator splits the unique samples over the ranks (each
-rank draws the whole tree); the exact sum splits the gradient set (every rank walks the whole sector itself).
+medians over the steps after the first few. The sampled estimator splits the sample tree over the ranks; the exact
+sum splits only the gradient set (every rank walks the whole sector itself), so its speed-up is smaller by design.
 
     python bench/nnqs_ranks.py                       # N2, sampled N_s = 3 000 and the exact sum; 1 and 2 ranks
     python bench/nnqs_ranks.py --molecule lih --steps 20

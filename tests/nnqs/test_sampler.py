@@ -112,22 +112,16 @@ def test_sampler_with_and_without_cache_draw_the_same_tree():
     assert (a.counts[oa] - b.counts[ob]).abs().sum().item() <= 10
 
 
-def test_distributed_ranks_share_out_the_one_process_sample_set_evenly():
-    """Ranks with the same seed split exactly the samples one process draws, by unique configuration (the unit of
-    the work that follows), not by sample count: a sharp distribution whose mode holds most of N_s still gives each
-    of 3 ranks a third of the unique configurations, with the levels chunked (max_batch) as well."""
-    wf = random_wf(6, 3, 3, seed=6)
-    cfg = SamplerConfig(max_batch=7)
-    one = sample(wf, 10**6, torch.Generator().manual_seed(1), cfg)
-    assert one.counts.max().item() > 0.3 * 10**6  # the case that fooled a split by count
-    parts = [sample(wf, 10**6, torch.Generator().manual_seed(1), cfg, rank=r, world_size=3) for r in range(3)]
-    assert torch.equal(torch.cat([p.tokens for p in parts]), one.tokens)
-    assert torch.equal(torch.cat([p.counts for p in parts]), one.counts)
-    sizes = [len(p.counts) for p in parts]
-    assert max(sizes) - min(sizes) <= 1 and all(p.n_total == 10**6 for p in parts)
-    assert _chi2_pvalue(wf, one) > 1e-3
-    with pytest.raises(ValueError, match="rank"):
-        sample(wf, 10, torch.Generator().manual_seed(1), rank=2, world_size=2)
+def test_distributed_split_partitions_one_sample_tree():
+    """Two 'ranks' with the same shared seed hold disjoint parts of one tree whose counts sum to N_s."""
+    wf = random_wf(6, 3, 3, seed=6, sharpen=1.0)
+    parts = [sample(wf, 10**6, torch.Generator().manual_seed(1), SamplerConfig(split_rows_per_rank=2), rank=r,
+                    world_size=2, local_generator=torch.Generator().manual_seed(100 + r)) for r in range(2)]
+    assert sum(p.counts.sum().item() for p in parts) == 10**6
+    k0, k1 = (set(tokens_to_keys(p.tokens).tolist()) for p in parts)
+    assert k0 and k1 and not (k0 & k1)
+    merged = type(parts[0])(torch.cat([p.tokens for p in parts]), torch.cat([p.counts for p in parts]), 10**6)
+    assert _chi2_pvalue(wf, merged) > 1e-3
 
 
 def test_multinomial_split_never_assigns_masked_tokens():

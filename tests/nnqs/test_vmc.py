@@ -205,9 +205,10 @@ def test_torchrun_two_processes_match_one(tmp_path):
     e1 = [json.loads(x) for x in (tmp_path / "one" / "energies.jsonl").read_text().splitlines()]
     e2 = [json.loads(x) for x in (tmp_path / "two" / "energies.jsonl").read_text().splitlines()]
     assert len(e1) == len(e2) == 60
-    # step 0: same parameters, and the ranks share out exactly the configurations one process sums over, so the
-    # energies agree to round-off (the all-reduce adds in another order); later steps part by that round-off
-    assert abs(e1[0]["energy"] - e2[0]["energy"]) < 1e-9
+    # step 0: same parameters and N_s; the ranks finish the sample tree with their own random streams, so the
+    # estimates agree within the statistical error (not bit for bit)
+    sigma = (e1[0]["energy_std"] ** 2 + e2[0]["energy_std"] ** 2) ** 0.5
+    assert abs(e1[0]["energy"] - e2[0]["energy"]) < 5 * sigma + 1e-9
     # the trained wavefunctions agree within chemical accuracy, both close to FCI
     assert abs(one["energy"] - two["energy"]) * 1000 < CHEMICAL_ACCURACY_MHA
     assert abs(two["error_mha"]) < CHEMICAL_ACCURACY_MHA

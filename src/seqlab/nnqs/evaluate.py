@@ -11,7 +11,7 @@ from seqlab.nnqs.hamiltonian import Hamiltonian
 from seqlab.nnqs.local_energy import PsiTable, local_energy
 from seqlab.nnqs.sampler import sample
 from seqlab.nnqs.space import all_configurations, n_configurations, tokens_to_keys
-from seqlab.nnqs.vmc import VMCConfig, make_evaluator, samples_at, step_generator
+from seqlab.nnqs.vmc import VMCConfig, make_evaluator, samples_at, step_generators
 from seqlab.runtime.dist import DistInfo, all_reduce_sum
 
 
@@ -39,7 +39,8 @@ def evaluate_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: Di
         return {"energy": e, "energy_std": 0.0, "variance": max(e2 - e * e, 0.0), "final_eval": "exact",
                 "final_eval_samples": None, "n_configurations": n_conf, "prob_sum": psum}
     n_s = cfg.eval_samples or 100 * samples_at(cfg, cfg.steps - 1)
-    s = sample(wf, n_s, step_generator(seed, 0), cfg.sampler, dist.rank, dist.world_size)
+    shared, local = step_generators(seed, 0, dist.rank)
+    s = sample(wf, n_s, shared, cfg.sampler, dist.rank, dist.world_size, local)
     keys = tokens_to_keys(s.tokens)
     log_psi = wf.log_psi(s.tokens)
     eloc = (local_energy(ham, keys, log_psi, PsiTable(keys, log_psi), evaluate, "exact") if len(keys)

@@ -14,12 +14,10 @@ orbital, for comparison (bench/nnqs_speed.py) and as a correctness check (the pr
 Memory: when the number of unique prefixes exceeds ``max_batch``, the level is cut into chunks that are finished
 depth-first, one after the other, so at most about ``max_batch`` rows (and their caches) are alive per level.
 
-Distributed: every rank walks the whole tree with the same seed (the walk is the cheap part of a step: 0.04 s of
-0.4 s on N2 at N_s = 3 000) and keeps a contiguous 1/world_size of the unique configurations, so the ranks hold
-exactly the samples one process would draw, and the expensive work that follows (local energies, gradients: one
-unit per unique configuration) is split evenly. Splitting the tree early by sample count, as before, balanced the
-wrong quantity: one heavy prefix (Hartree-Fock's) carried half the samples but few unique leaves, and 2 ranks ran
-no faster than 1 (bench/nnqs_ranks.py).
+Distributed: every rank walks the same top of the tree with the same seed until there are at least
+``split_rows_per_rank * world_size`` prefixes; then the prefixes are cut into ``world_size`` contiguous groups of
+about equal count and each rank finishes only its own group with its own random stream. Together the ranks hold
+exactly one sample tree of N_s samples.
 """
 
 from __future__ import annotations
@@ -38,10 +36,12 @@ from seqlab.nnqs.space import valid_token_mask
 class SamplerConfig:
     use_cache: bool = True
     max_batch: int = 65536  # unique prefixes processed together before the level is chunked
+    split_rows_per_rank: int = 8  # distributed: shared prefix tree until this many prefixes per rank
 
     def __post_init__(self) -> None:
-        if self.max_batch < 1:
-            raise ValueError(f"SamplerConfig.max_batch: must be >= 1, got {self.max_batch}")
+        for name in ("max_batch", "split_rows_per_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SamplerConfig.{name}: must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass
@@ -56,6 +56,7 @@ class _Level:
     prefix: Tensor  # [U, i]
     counts: Tensor  # [U] float64 (exact integers up to 2^53)
     cache: object | None
+    shared: bool  # still identical on every rank
 
 
 def multinomial_split(counts: Tensor, probs: Tensor, generator: torch.Generator | None) -> Tensor:
@@ -83,9 +84,15 @@ def multinomial_split(counts: Tensor, probs: Tensor, generator: torch.Generator 
     return out
 
 
-def _take_rows(level: _Level, rows: Tensor) -> _Level:
+def _take_rows(level: _Level, rows: Tensor, shared: bool) -> _Level:
     cache = None if level.cache is None else level.cache.select(rows)  # the parent stays intact for other chunks
-    return _Level(level.prefix[rows], level.counts[rows], cache)
+    return _Level(level.prefix[rows], level.counts[rows], cache, shared)
+
+
+def _rank_groups(counts: Tensor, world_size: int) -> Tensor:
+    """Contiguous groups of roughly equal total count: group id per row."""
+    mid = torch.cumsum(counts, 0) - 0.5 * counts
+    return (mid / counts.sum() * world_size).floor().long().clamp(0, world_size - 1)
 
 
 @torch.no_grad()
@@ -96,27 +103,33 @@ def sample(
     cfg: SamplerConfig | None = None,
     rank: int = 0,
     world_size: int = 1,
+    local_generator: torch.Generator | None = None,
 ) -> Samples:
     """Draw ``n_samples`` configurations from P(x); returns unique configurations with counts (this rank's share).
 
-    ``generator`` must be seeded identically on all ranks: each walks the same tree and keeps its share of the leaves.
+    ``generator`` must be seeded identically on all ranks; ``local_generator`` (distinct per rank) drives the part
+    of the tree each rank finishes alone.
     """
     cfg = cfg or SamplerConfig()
     if n_samples < 1 or n_samples > 2**53:
         raise ValueError(f"n_samples must be in [1, 2^53], got {n_samples}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    if world_size > 1 and local_generator is None:
+        raise ValueError("distributed sampling needs a per-rank local_generator")
     dev = next(wf.parameters()).device
     n = wf.n_orb
     dec = wf.decoder
     counts0 = torch.tensor([float(n_samples)], dtype=torch.float64, device=dev)
     cache0 = dec.new_cache(1, n) if cfg.use_cache else None
-    stack = [_Level(torch.zeros(1, 0, dtype=torch.long, device=dev), counts0, cache0)]
+    stack = [_Level(torch.zeros(1, 0, dtype=torch.long, device=dev), counts0, cache0, world_size > 1)]
     done_tokens, done_counts = [], []
     while stack:
         lv = stack.pop()
+        if lv.prefix.shape[0] == 0:  # this rank's share is empty
+            continue
         i = lv.prefix.shape[1]
         if i == n:
+            if lv.shared:  # the tree never got wide enough to split early: split the leaves
+                lv = _take_rows(lv, torch.nonzero(_rank_groups(lv.counts, world_size) == rank).flatten(), False)
             done_tokens.append(lv.prefix)
             done_counts.append(lv.counts)
             continue
@@ -132,20 +145,22 @@ def sample(
         n_a = (lv.prefix & 1).sum(1)
         n_b = (lv.prefix >> 1).sum(1)
         logp = wf.masked_log_probs(logits, wf.n_alpha - n_a, wf.n_beta - n_b, n - i)
-        split = multinomial_split(lv.counts, logp.double().exp(), generator)
+        gen = generator if lv.shared or world_size == 1 else local_generator
+        split = multinomial_split(lv.counts, logp.double().exp(), gen)
         row, tok = torch.nonzero(split, as_tuple=True)
         if lv.cache is not None:
             lv.cache.reorder(row)
-        nxt = _Level(torch.cat((lv.prefix[row], tok[:, None]), 1), split[row, tok], lv.cache)
-        if len(nxt.counts) > cfg.max_batch:
+        nxt = _Level(torch.cat((lv.prefix[row], tok[:, None]), 1), split[row, tok], lv.cache, lv.shared)
+        if nxt.shared and len(row) >= cfg.split_rows_per_rank * world_size and i + 1 < n:
+            nxt = _take_rows(nxt, torch.nonzero(_rank_groups(nxt.counts, world_size) == rank).flatten(), False)
+        if len(nxt.counts) > cfg.max_batch and not nxt.shared:
             chunks = torch.arange(len(nxt.counts), device=dev).split(cfg.max_batch)
-            stack.extend(_take_rows(nxt, c) for c in reversed(chunks))
+            stack.extend(_take_rows(nxt, c, False) for c in reversed(chunks))
         else:
             stack.append(nxt)
     tokens = torch.cat(done_tokens) if done_tokens else torch.zeros(0, n, dtype=torch.long, device=dev)
     counts = torch.cat(done_counts) if done_counts else torch.zeros(0, dtype=torch.float64, device=dev)
-    mine = slice(rank * len(counts) // world_size, (rank + 1) * len(counts) // world_size)
-    return Samples(tokens[mine], counts[mine].round().long(), n_samples)
+    return Samples(tokens, counts.round().long(), n_samples)
 
 
 def forced_completion(prefix: Tensor, n_alpha: int, n_beta: int, n_orb: int) -> Tensor | None:

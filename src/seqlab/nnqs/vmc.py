@@ -147,10 +147,10 @@ class StepStats:
     tail_mass: float = 0.0  # exact sum: probability left out of the gradient set (0 when sampled)
 
 
-def step_generator(seed: int, step: int) -> torch.Generator:
-    """The sampler's random stream at ``step``: the same on every rank (each walks the same tree), and a function of
-    the step alone, so a resumed run draws what an unbroken one would."""
-    return torch.Generator().manual_seed(1_000_003 * seed + step)
+def step_generators(seed: int, step: int, rank: int) -> tuple[torch.Generator, torch.Generator]:
+    shared = torch.Generator().manual_seed(1_000_003 * seed + step)
+    local = torch.Generator().manual_seed(1_000_003 * seed + step + 7_919 * (rank + 1) * 1_000_000_007 % (2**62))
+    return shared, local
 
 
 def make_evaluator(wf: Wavefunction, batch: int = 65536):
@@ -199,8 +199,8 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
         t1 = time.perf_counter()
         logp, phase = wf(tokens) if len(tokens) else (torch.zeros(0), torch.zeros(0))
     else:
-        gen = step_generator(cfg.seed, step)
-        s = sample(wf, samples_at(cfg, step), gen, cfg.sampler, dist.rank, dist.world_size)
+        shared, local = step_generators(cfg.seed, step, dist.rank)
+        s = sample(wf, samples_at(cfg, step), shared, cfg.sampler, dist.rank, dist.world_size, local)
         t1 = time.perf_counter()
         tokens, w = s.tokens, s.counts.double() / s.n_total
         logp, phase, eloc = sampled_local_energy(wf, ham, cfg, tokens, sector)
