@@ -33,8 +33,8 @@ EPILOG = """\
 Expected run time with the defaults (CCSD warm start, a valence CASCI where CCSD does not converge; exact sum;
 1 thread, CPU time; see docs/nnqs.md):
   h2 ~10 s, lih ~20 s (0.05-0.15 mHa, 3 seeds), h2o ~35 s (0.19-0.22 mHa, 3 seeds), nh3 ~4 min (1000 steps,
-  0.40-0.58 mHa, 3 seeds). n2 (20 spin orbitals, 14400 determinants): 2500 steps, ~20-27 min; seeds 0/1/2
-  ended at 0.41 / 0.26 / 0.35 mHa on one machine and 2.23 / 1.10 / 6.78 on another (runs part with rounding).
+  0.40-0.58 mHa, 3 seeds). n2 (20 spin orbitals, 14400 determinants): 2500 steps, ~30 min; seeds 0/1/2
+  ended at 2.23 / 0.51 / 0.18 mHa (Intel Xeon; seed 0 stays on a plateau).
   c2 (44100 determinants): ~60 min, 2.00 mHa (seed 0).
   --warm-start none: the earlier random-start recipe with entropy annealing.
 Examples:

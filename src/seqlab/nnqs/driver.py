@@ -85,7 +85,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
             clean_stale(out)
         checkpoint = store.latest() if resume else None
         if checkpoint is not None:
-            start_step, t0 = load_checkpoint(store, checkpoint, wf, opt, guard)
+            start_step, t0 = load_checkpoint(store, checkpoint, wf, opt, guard, ham)
     t_start = time.perf_counter()
     warm = None
     if warm_start is not None and checkpoint is None:  # same seed, same data: every rank fits the same parameters
@@ -130,7 +130,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
             stopping = stop is not None and any_rank(stop.requested, dist)  # every rank leaves at the same step
             if store is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping):
                 if dist.is_main:
-                    checkpoint = save_checkpoint(store, wf, opt, done, t0, vmc_state, guard)
+                    checkpoint = save_checkpoint(store, wf, opt, done, t0, vmc_state, guard, ham)
             if stopping:
                 stopped_at = done
                 break

@@ -18,6 +18,7 @@ import numpy as np
 
 from seqlab.nnqs.hamiltonian import Hamiltonian, mo_integrals
 from seqlab.nnqs.molecules import Molecule, MoleculeError
+from seqlab.nnqs.orbitals import canonical_orbitals
 
 
 def build_pyscf(mol: Molecule):
@@ -37,7 +38,8 @@ def build_pyscf(mol: Molecule):
 
 
 def run_scf(pmol, conv_tol: float = 1e-10):
-    """RHF for closed shells, ROHF otherwise (one set of orbitals for both spins, as the pair tokens assume)."""
+    """RHF for closed shells, ROHF otherwise (one set of orbitals for both spins, as the pair tokens assume), with
+    degenerate orbitals and signs fixed by ``orbitals.canonical_orbitals`` so every process gets the same ones."""
     from pyscf import scf  # optional heavy dependency (see the module docstring)
 
     mf = scf.RHF(pmol) if pmol.spin == 0 else scf.ROHF(pmol)
@@ -48,6 +50,7 @@ def run_scf(pmol, conv_tol: float = 1e-10):
         mf.kernel()
     if not mf.converged:
         warnings.warn(f"SCF did not converge for {pmol.atom}; energies are relative to unconverged orbitals")
+    mf.mo_coeff = canonical_orbitals(mf.mo_coeff, mf.mo_energy, mf.mo_occ)
     return mf
 
 

@@ -13,9 +13,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from seqlab.nnqs.ansatz import Wavefunction
+from seqlab.nnqs.hamiltonian import Hamiltonian
 from seqlab.nnqs.step_guard import GuardedState, StepGuard
 from seqlab.runtime.errors import CheckpointError
 from seqlab.runtime.rng import capture_rng, restore_rng
@@ -27,6 +29,8 @@ KIND = "seqlab-nnqs-checkpoint"
 CHECKPOINTS = "checkpoints"
 LEGACY_CHECKPOINT = "checkpoint"  # the non-atomic layout of earlier versions (model, optimizer.pt, state.json)
 LOG = "energies.jsonl"
+ORBITAL_TOL = 1e-6  # the SCF converges to ~1e-10; a rotated or re-signed orbital changes entries by O(0.1)
+FINGERPRINT_SEED = 20261203
 RUN_FILES = (LOG, "result.json", "convergence.png", "error.png")
 
 
@@ -34,12 +38,39 @@ def checkpoint_store(out: Path, keep_last: int | None) -> CheckpointStore:
     return CheckpointStore(out / CHECKPOINTS, keep_last, kind=KIND)
 
 
+def orbital_fingerprint(ham: Hamiltonian) -> dict[str, torch.Tensor]:
+    """h1 and four random rank-1 projections of (pq|rs): they change when orbitals are rotated or re-signed. h1
+    alone misses a rotation inside a degenerate block (it is a multiple of 1 there); the projections do not."""
+    n = ham.n_orb
+    vectors = np.random.default_rng(FINGERPRINT_SEED).standard_normal((4, 4, n))
+    projections = [np.einsum("pqrs,p,q,r,s->", ham.eri, *v) for v in vectors]
+    return {"h1": torch.from_numpy(ham.h1.copy()), "eri_projections": torch.tensor(projections, dtype=torch.float64)}
+
+
+def check_orbitals(where: Path, saved: dict[str, torch.Tensor] | None, ham: Hamiltonian) -> None:
+    """Refuse a checkpoint trained on other orbitals (another basis, geometry, or an orbital convention of an
+    earlier version): its wavefunction would be read in the wrong basis and start far from where it stopped."""
+    if saved is None:  # checkpoints of earlier versions carry no fingerprint
+        return
+    for name, now in orbital_fingerprint(ham).items():
+        before = saved.get(name)
+        if before is None or before.shape != now.shape:
+            raise CheckpointError(f"{where}: the checkpoint was trained on another molecule ({name} differs in shape)")
+        diff = float(((before - now).abs() / now.abs().clamp_min(1.0)).max())
+        if diff > ORBITAL_TOL:
+            raise CheckpointError(f"{where}: the checkpoint was trained in other molecular orbitals ({name} differs by "
+                                  f"{diff:.3g}, relative); start a new run with another --out")
+
+
 def save_checkpoint(store: CheckpointStore, wf: Wavefunction, opt: torch.optim.Optimizer, step: int, t0: float,
-                    vmc: dict[str, Any], guard: StepGuard | None = None) -> Path:
-    """Checkpoint after ``step`` completed steps (call on the main rank only), with the step guard's best state."""
+                    vmc: dict[str, Any], guard: StepGuard | None = None, ham: Hamiltonian | None = None) -> Path:
+    """Checkpoint after ``step`` completed steps (call on the main rank only), with the step guard's best state and
+    the orbital fingerprint of ``ham``."""
     opt_tensors, opt_meta = optimizer_state_to_tensors(opt)
     state = {**wf.config_dict(), "t0": t0, "vmc": vmc, "optimizer": opt_meta, "rng": capture_rng()}
     tensors = {"model": dict(wf.state_dict()), "optimizer": opt_tensors}
+    if ham is not None:
+        tensors["orbitals"] = orbital_fingerprint(ham)
     if guard is not None:
         state["guard"] = guard.state()
         if guard.best is not None:
@@ -49,15 +80,17 @@ def save_checkpoint(store: CheckpointStore, wf: Wavefunction, opt: torch.optim.O
 
 
 def load_checkpoint(store: CheckpointStore, path: Path, wf: Wavefunction, opt: torch.optim.Optimizer,
-                    guard: StepGuard | None = None) -> tuple[int, float]:
-    """Restore model, optimizer, RNG (and the guard's best state) from ``path`` (sha256-verified); returns
-    (completed steps, T0)."""
+                    guard: StepGuard | None = None, ham: Hamiltonian | None = None) -> tuple[int, float]:
+    """Restore model, optimizer, RNG (and the guard's best state) from ``path`` (sha256-verified), after checking
+    it was trained on ``ham``'s orbitals; returns (completed steps, T0)."""
     tensors, state = store.load(path)
     where = path / "state.json"
     found = (state.get("n_orb"), state.get("n_alpha"), state.get("n_beta"))
     if found != (wf.n_orb, wf.n_alpha, wf.n_beta):
         raise CheckpointError(f"{where}: checkpoint is for a different molecule (n_orb, N_alpha, N_beta) = {found}, "
                               f"not {(wf.n_orb, wf.n_alpha, wf.n_beta)}")
+    if ham is not None:
+        check_orbitals(path, tensors.get("orbitals"), ham)
     if state.get("ansatz") != asdict(wf.cfg):
         raise CheckpointError(f"{where}: checkpoint ansatz {state.get('ansatz')} != requested {asdict(wf.cfg)}")
     wf.load_state_dict(tensors["model"])
