@@ -6,8 +6,10 @@ For each molecule: ``seqlab nnqs --molecule M --seed S --threads 1`` (its defaul
 time (``--budget-scale`` times it), both on one thread: CPU time, so that other jobs on the machine do not tilt the
 comparison. NetKet runs in its own interpreter (``--netket-python``: a venv with ``netket`` and
 ``pyscf``; NetKet is a bench peer, never a seqlab dependency) on the Hamiltonian
-``netket.experimental.operator.from_pyscf_molecule`` builds from the same PySCF molecule (seqlab's geometry and
-basis, RHF orbitals) in the fixed-particle-number space ``SpinOrbitalFermions(n_orb, s=1/2,
+``netket.experimental.operator.from_pyscf_molecule`` builds from the same PySCF molecule and the same orbitals
+(seqlab's geometry and basis; seqlab's RHF orbitals with degenerate pairs fixed by ``nnqs.orbitals``, handed over in a
+``.npy`` file: a fresh ``scf.RHF`` in the peer's process would rotate N2's pi pairs arbitrarily, which changes how
+many determinants the state needs) in the fixed-particle-number space ``SpinOrbitalFermions(n_orb, s=1/2,
 n_fermions_per_spin=(N_a, N_b))``. Its ansatz is the one NetKet's documentation suggests for molecules, a Slater
 determinant with a neural backflow (an MLP of the occupation numbers adds to the orbital matrix), started from the
 HF orbitals plus small noise (exactly HF, every other determinant has a zero amplitude and no gradient), summed
@@ -33,6 +35,11 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
+from seqlab.nnqs.molecules import get_molecule
+from seqlab.nnqs.references import build_pyscf, run_scf
+
 sys.path.insert(0, str(Path(__file__).parent))
 from nnqs_runs import mha, run_cli, write_json  # noqa: E402
 
@@ -54,7 +61,10 @@ lr, shift = float(sys.argv[6]), float(sys.argv[7])
 mol = gto.M(atom=atom, basis=basis, unit="angstrom", verbose=0)
 mf = scf.RHF(mol).run()
 e_fci = float(fci.FCI(mf).kernel()[0])
-ha = nkx.operator.from_pyscf_molecule(mol, mo_coeff=mf.mo_coeff)
+mo = np.load(sys.argv[8])  # seqlab's orbitals: the same Hamiltonian, not just the same energies
+if not np.allclose(mo.T @ mol.intor("int1e_ovlp") @ mo, np.eye(mo.shape[1]), atol=1e-8):
+    raise SystemExit("the orbitals handed over are not orthonormal for this molecule: a different problem")
+ha = nkx.operator.from_pyscf_molecule(mol, mo_coeff=mo)
 hi = ha.hilbert
 _sparse = {}
 full_sum_expect.to_sparse_cached = lambda op: _sparse.setdefault(id(op), op.to_sparse())  # unhashable dict fields
@@ -105,10 +115,18 @@ print(json.dumps({"e_fci": e_fci, "error_mha": at_budget[-1] if at_budget else N
 """
 
 
+def seqlab_orbitals(atom: str, basis: str, path: Path) -> Path:
+    """The MO coefficients seqlab's Hamiltonian was built from (``run_scf``: RHF, degenerate blocks fixed), saved
+    for the peer's process."""
+    pmol = build_pyscf(get_molecule(atom=atom, basis=basis))
+    np.save(path, run_scf(pmol).mo_coeff)
+    return path
+
+
 def netket_run(python: str, atom: str, basis: str, budget_s: float, seed: int, hidden: int, lr: float,
-               shift: float) -> dict:
+               shift: float, orbitals: Path) -> dict:
     res = subprocess.run([python, "-c", _NETKET, atom, basis, str(budget_s), str(seed), str(hidden), str(lr),
-                          str(shift)], capture_output=True, text=True)
+                          str(shift), str(orbitals)], capture_output=True, text=True)
     if res.returncode != 0:  # report how it failed instead of hiding the column
         return {"status": f"failed (exit {res.returncode}): {res.stderr.strip()[-600:]}"}
     return {"status": "ok", **json.loads(res.stdout.strip().splitlines()[-1])}
@@ -134,8 +152,9 @@ def main() -> None:
         ours = run_cli(["--molecule", name, "--seed", str(a.seed)], out / f"{name}-s{a.seed}", threads=1)
         # the budget: seqlab's CPU time (SCF, references, warm start and VMC; one thread); NetKet's clock counts the
         # same span of its own process (SCF, FCI reference, operator, JAX compilation, VMC), after the imports
+        orbitals = seqlab_orbitals(ours["atom"], ours["basis"], out / f"{name}-s{a.seed}" / "mo_coeff.npy")
         peer = netket_run(a.netket_python, ours["atom"], ours["basis"], ours["cpu_time_s"] * a.budget_scale, a.seed,
-                          a.hidden, a.lr, a.diag_shift)
+                          a.hidden, a.lr, a.diag_shift, orbitals)
         if peer["status"] == "ok" and abs(peer["e_fci"] - ours["e_fci"]) > 1e-6:
             peer["status"] = f"different problem: NetKet's PySCF FCI {peer['e_fci']} vs seqlab's {ours['e_fci']}"
         kept = ("error_mha", "cpu_time_s", "wall_time_s", "bench_wall_s", "n_parameters", "steps", "n_configurations",
