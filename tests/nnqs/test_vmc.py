@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from seqlab.cli import nnqs as cli_nnqs
 from seqlab.nnqs.molecules import BOHR_IN_ANGSTROM
 from seqlab.nnqs.driver import run_vmc
-from seqlab.nnqs.ansatz import Wavefunction
+from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
 from seqlab.nnqs.vmc import VMCConfig, lr_at, vmc_step
 from seqlab.runtime.dist import DistInfo
 
@@ -86,6 +87,21 @@ def test_cli_refuses_an_existing_run_unless_resumed_or_moved_aside(tmp_path, cap
     assert (old / "energies.jsonl").read_text() == first and (old / "checkpoints" / "step_00000002").is_dir()
     assert len((out / "energies.jsonl").read_text().splitlines()) == 2
     assert "moved to" in capsys.readouterr().err
+
+
+def test_ansatz_flags_shape_the_wavefunction_and_are_recorded(tmp_path):
+    """--d-model/--layers/--heads/--phase-hidden/--phase-layers build that network, and result.json says so."""
+    out = tmp_path / "run"
+    flags = {"--d-model": 32, "--layers": 1, "--heads": 2, "--phase-hidden": 24, "--phase-layers": 3}
+    argv = ["--molecule", "h2", "--steps", "2", "--out", str(out), "--quiet", "--no-cc", "--warm-start-steps", "2"]
+    assert _cli([*argv, *(str(x) for kv in flags.items() for x in kv)]) == 0
+    r = json.loads((out / "result.json").read_text())
+    want = AnsatzConfig(d_model=32, n_layers=1, n_heads=2, phase_hidden=24, phase_layers=3)
+    assert r["ansatz"] == asdict(want)
+    wf = Wavefunction(2, 1, 1, want)
+    assert r["n_parameters"] == sum(p.numel() for p in wf.parameters())
+    hidden = [m for m in wf.phase_net if isinstance(m, torch.nn.Linear)]
+    assert [m.out_features for m in hidden] == [24, 24, 24, 1]
 
 
 def test_resume_without_steps_keeps_the_run_length_it_started_with(tmp_path):
@@ -175,6 +191,8 @@ def test_lr_schedule_warms_up_then_decays():
         (["--molecule", "benzene"], "known molecules: h2, lih, h2o, nh3, n2, c2"),
         (["--atom", "H 0 0 0; H 0 0"], "atom 2 'H 0 0' must be 'Element x y z'"),
         (["--molecule", "h2", "--spin", "1"], "2S must be even"),
+        (["--molecule", "h2", "--phase-hidden", "0"], "--phase-hidden must be >= 1, got 0"),
+        (["--molecule", "h2", "--layers", "0"], "--layers must be >= 1, got 0"),
     ],
 )
 def test_cli_rejects_bad_input_with_clear_errors(argv, msg, capsys):

@@ -115,9 +115,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rollback-after", type=int, default=VMCConfig.rollback_after, metavar="STEP",
                    help=f"first step the rollback rule watches (default {VMCConfig.rollback_after})")
     p.add_argument("--sr", action="store_true", help="stochastic reconfiguration (minSR; slow, small systems)")
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=AnsatzConfig.d_model,
+                   help="decoder width (amplitudes; default %(default)s)")
+    p.add_argument("--layers", type=int, default=AnsatzConfig.n_layers, help="decoder layers (default %(default)s)")
+    p.add_argument("--heads", type=int, default=AnsatzConfig.n_heads, help="attention heads (default %(default)s)")
+    p.add_argument("--phase-hidden", type=int, default=AnsatzConfig.phase_hidden,
+                   help="width of the phase MLP's hidden layers (default %(default)s)")
+    p.add_argument("--phase-layers", type=int, default=AnsatzConfig.phase_layers,
+                   help="hidden layers of the phase MLP (default %(default)s)")
     p.add_argument("--no-cache", action="store_true", help="sample without the KV cache (recompute prefixes)")
     p.add_argument("--max-batch", type=int, default=65536, help="unique prefixes per sampling chunk (>= 1)")
     p.add_argument("--seed", type=int, default=0)
@@ -171,7 +176,9 @@ def check_flags(args: argparse.Namespace) -> int | None:
     for flag, value, low in (("--warmup", args.warmup, 0), ("--anneal", args.anneal, 0), ("--steps", args.steps, 1),
                              ("--max-batch", args.max_batch, 1), ("--checkpoint-every", args.checkpoint_every, 1),
                              ("--threads", args.threads, 1), ("--warm-start-steps", args.warm_start_steps, 0),
-                             ("--rollback-tol", args.rollback_tol, 0), ("--rollback-after", args.rollback_after, 0)):
+                             ("--rollback-tol", args.rollback_tol, 0), ("--rollback-after", args.rollback_after, 0),
+                             ("--d-model", args.d_model, 1), ("--layers", args.layers, 1), ("--heads", args.heads, 1),
+                             ("--phase-hidden", args.phase_hidden, 1), ("--phase-layers", args.phase_layers, 1)):
         if value is not None and not value >= low:  # `not >=` also catches NaN
             raise ValueError(f"{flag} must be >= {low}, got {value}")
     for flag, value, ok, want in (("--lr", args.lr, lambda v: v > 0, "> 0"),
@@ -262,7 +269,8 @@ def run(args: argparse.Namespace) -> int:
                         checkpoint_every=args.checkpoint_every, rollback_tol_mha=args.rollback_tol,
                         rollback_after=args.rollback_after,
                         sampler=SamplerConfig(use_cache=not args.no_cache, max_batch=args.max_batch))
-        ansatz = AnsatzConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads)
+        ansatz = AnsatzConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                              phase_hidden=args.phase_hidden, phase_layers=args.phase_layers)
         bar = progress_bar(total=args.steps, desc=f"nnqs {mol.name}", unit="step",
                            enabled=dist.is_main and not args.quiet)
         for note in refs.notes if dist.is_main and not args.quiet else ():
