@@ -16,6 +16,7 @@ from seqlab.nnqs.molecules import BOHR_IN_ANGSTROM
 from seqlab.nnqs.driver import run_vmc
 from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
 from seqlab.nnqs.vmc import VMCConfig, lr_at, vmc_step
+from seqlab.nnqs.warm_start import target_state
 from seqlab.runtime.dist import DistInfo
 
 CHEMICAL_ACCURACY_MHA = 1.6
@@ -102,6 +103,17 @@ def test_ansatz_flags_shape_the_wavefunction_and_are_recorded(tmp_path):
     assert r["n_parameters"] == sum(p.numel() for p in wf.parameters())
     hidden = [m for m in wf.phase_net if isinstance(m, torch.nn.Linear)]
     assert [m.out_features for m in hidden] == [24, 24, 24, 1]
+
+
+def test_warm_start_pt_fits_the_perturbed_state_and_records_it(tmp_path, system):
+    out = tmp_path / "run"
+    argv = ["--molecule", "lih", "--steps", "2", "--out", str(out), "--quiet", "--no-cc", "--warm-start-steps", "2"]
+    assert _cli([*argv, "--warm-start-pt"]) == 0
+    warm = json.loads((out / "result.json").read_text())["warm_start"]
+    s = system("lih")
+    ccsd = target_state("ccsd", s.mf, s.hamiltonian.n_orb, s.hamiltonian.n_alpha, s.hamiltonian.n_beta)
+    assert warm["method"] == "ccsd+pt" and warm["target_energy"] == pytest.approx(ccsd.energy, abs=1e-9)
+    assert s.references.e_fci < warm["target_variational_energy"] < ccsd.variational_energy
 
 
 def test_resume_without_steps_keeps_the_run_length_it_started_with(tmp_path):

@@ -8,6 +8,7 @@ import torch
 from pyscf import fci
 
 from seqlab.nnqs.ansatz import Wavefunction
+from seqlab.nnqs.coupled_cluster import perturbed_state
 from seqlab.nnqs.driver import run_vmc
 from seqlab.nnqs.molecules import get_molecule
 from seqlab.nnqs.references import build_pyscf, prepare, run_scf
@@ -99,6 +100,38 @@ def test_ccsd_state_energy_is_its_expectation_value_under_seqlab_hamiltonian(sys
     target = target_state("ccsd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta, support=0.0)
     assert abs(energy_of(ham, target.keys, target.coeffs) - target.variational_energy) < 1e-8
     assert target.variational_energy > s.references.e_fci and target.variational_energy != target.energy
+
+
+def test_perturbative_step_lowers_ccsd_towards_fci_and_leaves_an_eigenvector_alone(system):
+    """One Epstein-Nesbet step: the energies it reports are <c|H|c> under seqlab's H, it moves CCSD's state towards
+    FCI (energy and overlap), and FCI's own vector, whose residual is zero, comes back unchanged."""
+    s = system("nh3")
+    ham = s.hamiltonian
+    nelec = (ham.n_alpha, ham.n_beta)
+    ccsd = target_state("ccsd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta, support=0.0)
+    pt = target_state("ccsd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta, support=0.0, perturb=True)
+    assert pt.method == "ccsd+pt" and pt.energy == ccsd.energy  # the log keeps CCSD's own energy
+    assert abs(energy_of(ham, pt.keys, pt.coeffs) - pt.variational_energy) < 1e-8
+    assert s.references.e_fci < pt.variational_energy < ccsd.variational_energy - 1e-4
+    e, exact = fci.direct_spin1.FCI().kernel(ham.h1, ham.eri, ham.n_orb, nelec, ecore=ham.e_nuc, tol=1e-13)
+    exact_keys, exact_c = pyscf_vector_to_keys(exact, ham.n_orb, ham.n_alpha, ham.n_beta)
+    f = on_sector(ham, exact_keys, exact_c / exact_c.norm())[2]
+    overlap_ccsd = float(on_sector(ham, ccsd.keys, ccsd.coeffs)[2] @ f) ** 2
+    overlap_pt = float(on_sector(ham, pt.keys, pt.coeffs)[2] @ f) ** 2
+    assert overlap_ccsd < overlap_pt < 1
+    same, before, after = perturbed_state(s.mf, exact, ham.n_orb, nelec)
+    assert before == pytest.approx(e, abs=1e-9) and after == pytest.approx(e, abs=1e-9)
+    assert np.abs(same - exact / np.linalg.norm(exact)).max() < 1e-6
+
+
+def test_perturbative_step_that_raises_the_energy_is_not_kept(system, monkeypatch):
+    s = system("lih")
+    ham = s.hamiltonian
+    worse = lambda mf, vec, n_orb, nelec: (vec, 0.0, 0.0 + 1e3)  # noqa: E731  (a step that made things worse)
+    monkeypatch.setattr("seqlab.nnqs.warm_start.perturbed_state", worse)
+    with pytest.warns(UserWarning, match="raised ccsd's energy"):
+        kept = target_state("ccsd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta, perturb=True)
+    assert kept.method == "ccsd"
 
 
 def test_fit_set_keeps_the_largest_amplitudes_up_to_the_cap(system):

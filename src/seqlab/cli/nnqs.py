@@ -102,6 +102,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "casci, the exact state of 6 electrons in the 6 orbitals around the Fermi level); none = "
                         "random start with entropy annealing, the earlier recipe, which open shells (no restricted "
                         "CCSD or CISD) also get")
+    p.add_argument("--warm-start-pt", action="store_true",
+                   help="add one Epstein-Nesbet perturbative step to the warm-start state (first-order connected "
+                        "triples and beyond; one H application over the sector); kept only if it lowers the state's "
+                        "energy")
     p.add_argument("--warm-start-steps", type=int, default=WarmStartConfig.steps,
                    help=f"supervised steps of the warm start (default {WarmStartConfig.steps})")
     p.add_argument("--anneal", type=float, default=None,
@@ -253,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
         system = prepare(mol, fci=not args.no_fci, cc=not args.no_cc)
         t_ref = time.perf_counter() - t0
         refs, ham = system.references, system.hamiltonian
-        warm = target_state(args.warm_start, system.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
+        warm = target_state(args.warm_start, system.mf, ham.n_orb, ham.n_alpha, ham.n_beta, perturb=args.warm_start_pt)
         fill_recipe(args, recipe_for("none" if warm is None else warm.method))
         n_conf = n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)
         samples = samples or default_samples(n_conf, VMCConfig.sector_max)

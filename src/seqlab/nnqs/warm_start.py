@@ -23,7 +23,7 @@ from torch import Tensor
 from seqlab import runtime
 from seqlab.nnqs.active_space import casci_fcivec
 from seqlab.nnqs.ansatz import Wavefunction
-from seqlab.nnqs.coupled_cluster import ccsd_fcivec, state_energy
+from seqlab.nnqs.coupled_cluster import ccsd_fcivec, perturbed_state, state_energy
 from seqlab.nnqs.space import keys_to_tokens
 from seqlab.runtime.schedule import warmup_cosine
 
@@ -96,11 +96,14 @@ def pyscf_vector_to_keys(vec: np.ndarray, n_orb: int, n_alpha: int, n_beta: int)
 
 
 def target_state(method: str, mf, n_orb: int, n_alpha: int, n_beta: int,
-                 support: float = SUPPORT_EPS, max_configs: int = MAX_FIT_CONFIGS) -> TargetState | None:
+                 support: float = SUPPORT_EPS, max_configs: int = MAX_FIT_CONFIGS,
+                 perturb: bool = False) -> TargetState | None:
     """The state to fit: CCSD's exp(T)|HF>, CISD or a valence CASCI from PySCF on ``mf``'s orbitals, or the HF
     determinant; None for "none". Where CCSD does not converge (a stretched bond), "ccsd" fits the lower in energy of
     CISD and CASCI, which there is CASCI (``active_space.py``). Configurations with |c|^2 <= ``support`` are left
-    out (0 keeps every nonzero one), and past ``max_configs`` the smallest.
+    out (0 keeps every nonzero one), and past ``max_configs`` the smallest. ``perturb`` adds one Epstein-Nesbet step
+    to the chosen state (``coupled_cluster.perturbed_state``; its name gains "+pt"), kept only if it lowers the
+    variational energy.
 
     CCSD and CISD are not available for open shells, where PySCF's are not spin-restricted, nor for spaces too large
     for PySCF's FCI-sized vector; then this warns and returns None, a random start (with annealing, ``recipe.py``).
@@ -139,6 +142,13 @@ def target_state(method: str, mf, n_orb: int, n_alpha: int, n_beta: int,
     # steps, from CCSD's state (57 mHa) at 2.3; CCSD holds the doubles' signs that VMC is slow to find
     method = min(candidates, key=lambda m: candidates[m][2])
     vec, energy, variational = candidates[method]
+    if perturb:
+        corrected, _, after = perturbed_state(mf, vec, n_orb, nelec)
+        if after <= variational + 1e-10:  # equal where the state is already exact (two electrons)
+            vec, variational, method = corrected, after, f"{method}+pt"
+        else:
+            warnings.warn(f"warm start: the perturbative step raised {method}'s energy ({variational:.6f} -> "
+                          f"{after:.6f} Ha); fitting {method} without it", stacklevel=2)
     keys, coeffs = pyscf_vector_to_keys(vec, n_orb, n_alpha, n_beta)
     keep = coeffs**2 > support
     keys, coeffs = keys[keep], coeffs[keep]
