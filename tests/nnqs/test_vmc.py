@@ -39,7 +39,7 @@ def test_vmc_h2_reaches_chemical_accuracy_and_writes_result(tmp_path, capsys):
     assert (r["molecule"], r["n_spin_orbitals"], r["n_electrons"], r["steps"]) == ("h2", 4, 2, 100)
     assert r["final_eval"] == "exact" and r["energy_std"] == 0.0
     # the defaults: a CCSD warm start (exact for two electrons) and the exact sum over the sector
-    assert r["estimator"] == "exact-sum" and r["warm_start"]["method"] == "ccsd" and r["anneal"] == 0.0
+    assert r["estimator"] == "exact-sum" and r["warm_start"]["method"] == "ccsd+pt" and r["anneal"] == 0.0
     assert (r["lr"], r["beta2"], r["phase_lr_scale"]) == (2e-3, 0.999, 10.0)
     assert abs(r["error_mha"]) < CHEMICAL_ACCURACY_MHA
     assert r["energy"] >= r["e_fci"] - 1e-9  # an exact expectation value is variational
@@ -105,10 +105,12 @@ def test_ansatz_flags_shape_the_wavefunction_and_are_recorded(tmp_path):
     assert [m.out_features for m in hidden] == [24, 24, 24, 1]
 
 
-def test_warm_start_pt_fits_the_perturbed_state_and_records_it(tmp_path, system):
+def test_warm_start_pt_is_the_default_fits_the_perturbed_state_and_records_it(tmp_path, system):
     out = tmp_path / "run"
     argv = ["--molecule", "lih", "--steps", "2", "--out", str(out), "--quiet", "--no-cc", "--warm-start-steps", "2"]
-    assert _cli([*argv, "--warm-start-pt"]) == 0
+    assert _cli([*argv, "--no-warm-start-pt"]) == 0
+    assert json.loads((out / "result.json").read_text())["warm_start"]["method"] == "ccsd"
+    assert _cli([*argv, "--overwrite"]) == 0  # the default
     warm = json.loads((out / "result.json").read_text())["warm_start"]
     s = system("lih")
     ccsd = target_state("ccsd", s.mf, s.hamiltonian.n_orb, s.hamiltonian.n_alpha, s.hamiltonian.n_beta)

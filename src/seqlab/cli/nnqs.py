@@ -102,10 +102,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "casci, the exact state of 6 electrons in the 6 orbitals around the Fermi level); none = "
                         "random start with entropy annealing, the earlier recipe, which open shells (no restricted "
                         "CCSD or CISD) also get")
-    p.add_argument("--warm-start-pt", action="store_true",
+    p.add_argument("--warm-start-pt", action=argparse.BooleanOptionalAction, default=True,
                    help="add one Epstein-Nesbet perturbative step to the warm-start state (first-order connected "
-                        "triples and beyond; one H application over the sector); kept only if it lowers the state's "
-                        "energy")
+                        "triples and beyond; one H application over the sector), kept only if it lowers the state's "
+                        "energy (default on; --no-warm-start-pt fits the state as the method gives it)")
     p.add_argument("--warm-start-steps", type=int, default=WarmStartConfig.steps,
                    help=f"supervised steps of the warm start (default {WarmStartConfig.steps})")
     p.add_argument("--anneal", type=float, default=None,
