@@ -67,13 +67,23 @@ def ccsd_fcivec(mf, n_orb: int, nelec: tuple[int, int]) -> tuple[np.ndarray, flo
     return total, float(solver.e_tot)
 
 
-def state_energy(mf, vec: np.ndarray, n_orb: int, nelec: tuple[int, int]) -> float:
-    """<v|H|v> / <v|v> of a state on PySCF's determinant vector, in ``mf``'s orbitals (one H application)."""
+def _sector_hamiltonian(mf, n_orb: int, nelec: tuple[int, int]):
+    """(v -> H v without E_nuc on PySCF's determinant vector, the diagonal H_DD without E_nuc, E_nuc)."""
     from pyscf.fci import direct_spin1  # optional heavy dependency (the nnqs extra)
 
     h1, eri, e_nuc = mo_integrals(mf)
-    hv = direct_spin1.contract_2e(direct_spin1.absorb_h1e(h1, eri, n_orb, nelec, 0.5), vec, n_orb, nelec)
-    return float(np.vdot(vec, hv) / np.vdot(vec, vec)) + e_nuc
+    h2 = direct_spin1.absorb_h1e(h1, eri, n_orb, nelec, 0.5)
+
+    def apply(vec: np.ndarray) -> np.ndarray:
+        return direct_spin1.contract_2e(h2, vec, n_orb, nelec).reshape(vec.shape)
+
+    return apply, lambda: direct_spin1.make_hdiag(h1, eri, n_orb, nelec), e_nuc
+
+
+def state_energy(mf, vec: np.ndarray, n_orb: int, nelec: tuple[int, int]) -> float:
+    """<v|H|v> / <v|v> of a state on PySCF's determinant vector, in ``mf``'s orbitals (one H application)."""
+    apply_h, _, e_nuc = _sector_hamiltonian(mf, n_orb, nelec)
+    return float(np.vdot(vec, apply_h(vec)) / np.vdot(vec, vec)) + e_nuc
 
 
 def perturbed_state(mf, vec: np.ndarray, n_orb: int, nelec: tuple[int, int]) -> tuple[np.ndarray, float, float]:
@@ -87,17 +97,14 @@ def perturbed_state(mf, vec: np.ndarray, n_orb: int, nelec: tuple[int, int]) -> 
     exact-sum VMC step. Returns (the corrected vector normalised, <c|H|c> before, <c|H|c> after), with ``mf``'s
     nuclear repulsion included in both energies.
     """
-    from pyscf.fci import direct_spin1  # optional heavy dependency (the nnqs extra)
-
-    h1, eri, e_nuc = mo_integrals(mf)
-    h2 = direct_spin1.absorb_h1e(h1, eri, n_orb, nelec, 0.5)
+    apply_h, diagonal, e_nuc = _sector_hamiltonian(mf, n_orb, nelec)
     c = vec / np.linalg.norm(vec)
-    hc = direct_spin1.contract_2e(h2, c, n_orb, nelec).reshape(c.shape)
+    hc = apply_h(c)
     energy = float(np.vdot(c, hc))
-    gap = direct_spin1.make_hdiag(h1, eri, n_orb, nelec).reshape(c.shape) - energy
+    gap = diagonal().reshape(c.shape) - energy
     # E lies below every diagonal element wherever c is a correlated state (measured: 0.18 Ha or more on N2 and C2),
     # so the floor only keeps a degenerate case finite
     corrected = c - (hc - energy * c) / np.maximum(gap, DENOMINATOR_FLOOR)
     corrected /= np.linalg.norm(corrected)
-    after = float(np.vdot(corrected, direct_spin1.contract_2e(h2, corrected, n_orb, nelec).reshape(c.shape)))
+    after = float(np.vdot(corrected, apply_h(corrected)))
     return corrected, energy + e_nuc, after + e_nuc
