@@ -11,7 +11,11 @@ decoder, or a wider phase MLP). For each run folder this loads the last checkpoi
   alone costs;
 - ``exact_on_wrong_sign_configs_mha``: the model's amplitudes where its sign is right, FCI's amplitudes and signs on
   the wrong-sign configurations; what mending the phase network's mistakes (and the amplitudes they hold down)
-  would buy.
+  would buy;
+- ``lost_*``: the configurations the model has all but dropped (FCI probability above 1e-8, the model's at most
+  1e-3 of it), whatever their sign: their number, their FCI weight, and ``exact_on_lost_configs_mha``, the model with
+  FCI's amplitudes and signs put back there. A configuration VMC let fall that far gets almost no gradient (~|psi|)
+  and does not come back.
 
     python bench/nnqs_error_split.py runs/canon/c2s0 runs/canon/c2s1 --json bench/results/nnqs_error_split.json
 
@@ -36,6 +40,9 @@ from seqlab.nnqs.molecules import get_molecule
 from seqlab.nnqs.references import prepare
 from seqlab.nnqs.vmc import HARTREE_TO_MHA
 from seqlab.nnqs.vmc_checkpoint import check_orbitals, checkpoint_store
+
+
+LOST_ABOVE, LOST_RATIO = 1e-8, 1e-3  # "lost": FCI probability above the first, the model's at most the second times it
 
 
 def load_run(run: Path):
@@ -73,6 +80,7 @@ def split(run: Path) -> dict:
     aligned = psi * np.conj(overlap) / abs(overlap) * np.sign(exact)  # real and positive where the model is right
     wrong = np.abs(np.angle(aligned)) > np.pi / 2
     amp, signs = np.abs(psi), np.sign(exact)
+    lost = (exact**2 > LOST_ABOVE) & (amp**2 <= LOST_RATIO * exact**2)
     return {
         "run": str(run), "molecule": result["molecule"], "atom": result["atom"], "basis": result["basis"],
         "step": step, "ansatz": result["ansatz"], "n_configurations": len(exact),
@@ -83,6 +91,9 @@ def split(run: Path) -> dict:
         "wrong_sign_weight_model": float((amp[wrong] ** 2).sum()),
         "without_wrong_sign_configs_mha": error(exact * ~wrong),
         "exact_on_wrong_sign_configs_mha": error(np.where(wrong, np.abs(exact), amp) * signs),
+        "lost_configs": int(lost.sum()),
+        "lost_weight_fci": float((exact[lost] ** 2).sum()),
+        "exact_on_lost_configs_mha": error(np.where(lost, np.abs(exact), amp) * signs),
     }
 
 
@@ -94,11 +105,12 @@ def main() -> None:
     torch.set_num_threads(1)
     rows = [split(run) for run in args.runs]
     print(f"{'run':<32}{'error':>9}{'|psi|, FCI signs':>18}{'wrong-sign configs (FCI weight)':>34}"
-          f"{'FCI minus them':>16}{'mended there':>14}")
+          f"{'FCI minus them':>16}{'mended there':>14}{'lost configs (FCI weight)':>28}{'mended there':>14}")
     for r in rows:
         print(f"{r['run'][-32:]:<32}{mha(r['error_mha']):>9}{mha(r['amplitude_error_mha']):>18}"
               f"{r['wrong_sign_configs']:>20} ({r['wrong_sign_weight_fci']:.1e})"
-              f"{mha(r['without_wrong_sign_configs_mha']):>16}{mha(r['exact_on_wrong_sign_configs_mha']):>14}")
+              f"{mha(r['without_wrong_sign_configs_mha']):>16}{mha(r['exact_on_wrong_sign_configs_mha']):>14}"
+              f"{r['lost_configs']:>16} ({r['lost_weight_fci']:.1e}){mha(r['exact_on_lost_configs_mha']):>14}")
     print("errors against the sector's exact ground state, mHa;", write_json(args.json, rows, threads=1, parallel=1))
 
 
