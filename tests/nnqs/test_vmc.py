@@ -105,10 +105,11 @@ def test_ansatz_flags_shape_the_wavefunction_and_are_recorded(tmp_path):
     assert [m.out_features for m in hidden] == [24, 24, 24, 1]
 
 
-def test_warm_start_pt_is_the_default_fits_the_perturbed_state_and_records_it(tmp_path, system):
+def test_warm_start_pt_is_the_default_fits_the_perturbed_state_and_records_it(tmp_path, system, capsys):
     out = tmp_path / "run"
     argv = ["--molecule", "lih", "--steps", "2", "--out", str(out), "--quiet", "--no-cc", "--warm-start-steps", "2"]
     assert _cli([*argv, "--no-warm-start-pt"]) == 0
+    assert "warm start" not in capsys.readouterr().err  # --quiet: no progress bar, the fit's neither
     assert json.loads((out / "result.json").read_text())["warm_start"]["method"] == "ccsd"
     assert _cli([*argv, "--overwrite"]) == 0  # the default
     warm = json.loads((out / "result.json").read_text())["warm_start"]
@@ -116,6 +117,9 @@ def test_warm_start_pt_is_the_default_fits_the_perturbed_state_and_records_it(tm
     ccsd = target_state("ccsd", s.mf, s.hamiltonian.n_orb, s.hamiltonian.n_alpha, s.hamiltonian.n_beta)
     assert warm["method"] == "ccsd+pt" and warm["target_energy"] == pytest.approx(ccsd.energy, abs=1e-9)
     assert s.references.e_fci < warm["target_variational_energy"] < ccsd.variational_energy
+    assert warm["phase_weight"] == "amplitude"
+    assert _cli([*argv, "--overwrite", "--warm-start-phase-weight", "probability"]) == 0
+    assert json.loads((out / "result.json").read_text())["warm_start"]["phase_weight"] == "probability"
 
 
 def test_resume_without_steps_keeps_the_run_length_it_started_with(tmp_path):

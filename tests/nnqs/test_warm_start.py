@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -173,6 +175,32 @@ def test_fit_reproduces_the_target_amplitudes_and_signs(system, method, min_over
         assert bool((rel[visible].sign() == target.coeffs[visible].sign()).all())
 
 
+def small_configuration_sign_error(system, phase_weight: str) -> float:
+    """Mean |phase - target's| (relative to the largest configuration) over LiH's CCSD+pt configurations with
+    |c|^2 < 1e-4, after a 300-step fit from one seed."""
+    s = system("lih")
+    ham = s.hamiltonian
+    target = target_state("ccsd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta, perturb=True)
+    torch.manual_seed(0)
+    wf = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta)
+    fit(wf, target, WarmStartConfig(steps=300, phase_weight=phase_weight))
+    with torch.no_grad():
+        phase = wf.phase(keys_to_tokens(target.keys, ham.n_orb)).double()
+    want = torch.where(target.coeffs < 0, math.pi, 0.0)
+    ref = int(target.coeffs.abs().argmax())
+    off = torch.remainder(phase - phase[ref] - (want - want[ref]) + math.pi, 2 * math.pi) - math.pi
+    small = target.coeffs**2 < 1e-4
+    assert int(small.sum()) > 20
+    return float(off[small].abs().mean())
+
+
+def test_phase_loss_weighted_by_amplitude_fits_the_small_configurations_signs(system):
+    """|c| in the phase loss (the default) gets the signs of small configurations closer than |c|^2 does (measured
+    1.05 -> 0.73 rad here; N2's full fit: 0.66 -> 0.08 rad on the configurations VMC later lost)."""
+    assert WarmStartConfig().phase_weight == "amplitude"
+    assert small_configuration_sign_error(system, "amplitude") < 0.85 * small_configuration_sign_error(system, "probability")
+
+
 def test_warm_started_vmc_starts_at_the_target_energy(system):
     """A fresh run fits first (step 0 sits near E_CISD, far below HF); a resumed run would not refit."""
     s = system("lih")
@@ -190,6 +218,8 @@ def test_bad_warm_start_settings_name_the_field():
         WarmStartConfig(method="ccsdt")
     with pytest.raises(ValueError, match="WarmStartConfig.steps"):
         WarmStartConfig(steps=-1)
+    with pytest.raises(ValueError, match="WarmStartConfig.phase_weight"):
+        WarmStartConfig(phase_weight="uniform")
 
 
 def test_open_shell_falls_back_to_a_random_start_with_a_warning():

@@ -22,7 +22,7 @@ from seqlab.nnqs.sampler import SamplerConfig
 from seqlab.nnqs.space import n_configurations
 from seqlab.nnqs.vmc import ESTIMATORS, HARTREE_TO_MHA, VMCConfig
 from seqlab.nnqs.vmc_checkpoint import check_new_run, checkpointed_steps, existing_run
-from seqlab.nnqs.warm_start import METHODS as WARM_START_METHODS, WarmStartConfig, target_state
+from seqlab.nnqs.warm_start import METHODS as WARM_START_METHODS, PHASE_WEIGHTS, WarmStartConfig, target_state
 from seqlab.runtime import atomic_write_text, progress as progress_bar
 from seqlab.runtime.dist import barrier, init_distributed, set_cpu_threads, shutdown
 from seqlab.runtime.files import ensure_writable_dir
@@ -108,6 +108,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "energy (default on; --no-warm-start-pt fits the state as the method gives it)")
     p.add_argument("--warm-start-steps", type=int, default=WarmStartConfig.steps,
                    help=f"supervised steps of the warm start (default {WarmStartConfig.steps})")
+    p.add_argument("--warm-start-phase-weight", choices=PHASE_WEIGHTS, default=WarmStartConfig.phase_weight,
+                   help="what weighs each configuration's sign in the warm start's phase loss: |c| (amplitude) or "
+                        f"|c|^2 (probability, as before 2026-12-03) (default {WarmStartConfig.phase_weight})")
     p.add_argument("--anneal", type=float, default=None,
                    help="entropy annealing strength (fraction of the diagonal energy spread, >= 0); 0 disables "
                         f"(default {WARM_START.anneal:g} after a warm start, {RANDOM_START.anneal:g} with --warm-start "
@@ -288,10 +291,12 @@ def run(args: argparse.Namespace) -> int:
             bar.update(1)
 
         levels = {"HF": refs.e_hf, "CCSD(T)": refs.e_ccsd_t, "FCI": refs.e_fci}
+        fit_cfg = WarmStartConfig(steps=args.warm_start_steps, phase_weight=args.warm_start_phase_weight)
         with bar, GracefulStop() as stop:
-            res = run_vmc(ham, cfg, ansatz, out, dist, e_ref=refs.e_fci, resume=args.resume, callback=show,
+            res = run_vmc(ham, cfg, ansatz, out, dist, e_ref=refs.e_fci, resume=args.resume,
+                          callback=None if args.quiet else show,
                           title=f"{mol.name} / {mol.basis}", references=levels, tensorboard=args.tensorboard,
-                          stop=stop, warm_start=warm, warm_start_cfg=WarmStartConfig(steps=args.warm_start_steps))
+                          stop=stop, warm_start=warm, warm_start_cfg=fit_cfg)
         if res.stopped_at is not None:
             return stopped(res, out, stop, dist.is_main)
         if not dist.is_main:
