@@ -8,19 +8,21 @@ from seqlab.accel.train_linear import TrainLinear, _onednn_linear_op, uses_onedn
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch build")
 
 
-def _pair(i: int, o: int, bias: bool, wgrad: bool = False):
+def _pair(i: int, o: int, bias: bool, wgrad: bool = False, igrad: bool = True):
     torch.manual_seed(0)
     ref = torch.nn.Linear(i, o, bias=bias)
-    ours = TrainLinear(torch.nn.Linear(i, o, bias=bias), wgrad_onednn=wgrad)
+    ours = TrainLinear(torch.nn.Linear(i, o, bias=bias), wgrad_onednn=wgrad, igrad_onednn=igrad)
     ours.load_state_dict(ref.state_dict())
     return ours, ref
 
 
-@pytest.mark.parametrize("i,o,bias,wgrad", [(48, 80, True, False), (40, 24, False, False), (16, 200, True, True),
-                                            (40, 24, False, True)])
-def test_forward_and_gradients_match_nn_linear(i, o, bias, wgrad):
+@pytest.mark.parametrize("i,o,bias,wgrad,igrad", [(48, 80, True, False, True), (40, 24, False, False, True),
+                                                  (16, 200, True, True, True), (40, 24, False, True, True),
+                                                  (48, 80, True, False, False), (40, 24, False, False, False)])
+def test_forward_and_gradients_match_nn_linear(i, o, bias, wgrad, igrad):
     # same products, another summation order: fp32 agreement to a few ulps of the ~1e-1-sized values, atol 1e-5
-    ours, ref = _pair(i, o, bias, wgrad)
+    # (igrad=False: the onednn-forward route, both gradients on MKL)
+    ours, ref = _pair(i, o, bias, wgrad, igrad)
     x = torch.randn(3, 7, i)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     assert uses_onednn(xa, ours.weight, ours.bias)

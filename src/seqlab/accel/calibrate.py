@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover
     fcntl = None
 
 CACHE_ENV = "SEQLAB_ACCEL_CACHE"
-_FORMAT = 1
+_FORMAT = 2  # 2: the onednn-forward training route exists (a cache from before holds no timing for it)
 _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # a route whose first (warm-up) call is this many times slower than the plain one is dropped without further
 # timing: emulated bf16 on a CPU without native bf16 would otherwise eat the whole budget

@@ -3,8 +3,9 @@
 Why: PyTorch sends fp32 CPU matrix products to MKL; on some CPUs oneDNN's JIT kernels run a training step's
 forward product and input gradient faster on the same shapes, and for some shapes (LM heads: out >> in) the weight
 gradient too. Which library wins depends on the CPU and the shape, so :mod:`seqlab.accel.calibrate` times both
-routes (``onednn-train``: weight gradient on MKL; ``onednn-train-wgrad``: weight gradient on oneDNN too) against
-plain ``F.linear`` on this machine and keeps a route only where it is faster.
+routes (``onednn-train``: weight gradient on MKL; ``onednn-train-wgrad``: weight gradient on oneDNN too;
+``onednn-forward``: both gradients on MKL) against plain ``F.linear`` on this machine and keeps a route only where it
+is faster.
 
 Only plain fp32 CPU tensors take this path, and only while autograd records (training): under autocast,
 ``torch.compile``, on GPU, in other dtypes, or without gradients, ``TrainLinear`` is exactly ``nn.Linear``. The
@@ -48,10 +49,12 @@ def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
 
 
 class _OneDNNLinearFn(torch.autograd.Function):
-    """Forward and input gradient on oneDNN; weight gradient on oneDNN or MKL (``wgrad_onednn``)."""
+    """Forward on oneDNN; input gradient and weight gradient each on oneDNN or MKL (``igrad_onednn``,
+    ``wgrad_onednn``)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, wgrad_onednn: bool) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, wgrad_onednn: bool,
+                igrad_onednn: bool = True) -> Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
@@ -59,6 +62,7 @@ class _OneDNNLinearFn(torch.autograd.Function):
         ctx.has_bias = bias is not None
         ctx.in_shape = x.shape
         ctx.wgrad_onednn = wgrad_onednn
+        ctx.igrad_onednn = igrad_onednn
         return onednn_linear(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -69,7 +73,7 @@ class _OneDNNLinearFn(torch.autograd.Function):
             g = g.contiguous()
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = onednn_linear(g, weight.t()).view(ctx.in_shape)
+            grad_x = (onednn_linear(g, weight.t()) if ctx.igrad_onednn else g.mm(weight)).view(ctx.in_shape)
         if ctx.needs_input_grad[1]:
             if ctx.wgrad_onednn:  # oneDNN forms the transposed gradient x^T g
                 grad_w = onednn_linear(x2.t(), g.t()).t().contiguous()
@@ -77,7 +81,7 @@ class _OneDNNLinearFn(torch.autograd.Function):
                 grad_w = g.t().mm(x2)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g.sum(0)
-        return grad_x, grad_w, grad_b, None
+        return grad_x, grad_w, grad_b, None, None
 
 
 def _plain(t: Tensor | None) -> bool:
@@ -99,10 +103,11 @@ def uses_onednn(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> bool:
             and plain_fp32_product(x, weight, bias))
 
 
-def onednn_train_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, wgrad_onednn: bool = False) -> Tensor:
+def onednn_train_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, wgrad_onednn: bool = False,
+                        igrad_onednn: bool = True) -> Tensor:
     """``F.linear`` with the oneDNN training path where :func:`uses_onednn` holds."""
     if uses_onednn(x, weight, bias):
-        return _OneDNNLinearFn.apply(x, weight, bias, wgrad_onednn)
+        return _OneDNNLinearFn.apply(x, weight, bias, wgrad_onednn, igrad_onednn)
     return F.linear(x, weight, bias)
 
 
@@ -113,16 +118,17 @@ def train_route_available() -> bool:
 class TrainLinear(nn.Module):
     """An ``nn.Linear``'s own parameters (shared, not copied) with :func:`onednn_train_linear` as its product."""
 
-    def __init__(self, linear: nn.Linear, wgrad_onednn: bool = False):
+    def __init__(self, linear: nn.Linear, wgrad_onednn: bool = False, igrad_onednn: bool = True):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         self.wgrad_onednn = wgrad_onednn
+        self.igrad_onednn = igrad_onednn
 
     def forward(self, x: Tensor) -> Tensor:
-        return onednn_train_linear(x, self.weight, self.bias, self.wgrad_onednn)
+        return onednn_train_linear(x, self.weight, self.bias, self.wgrad_onednn, self.igrad_onednn)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"wgrad_onednn={self.wgrad_onednn}")
+                f"igrad_onednn={self.igrad_onednn}, wgrad_onednn={self.wgrad_onednn}")
