@@ -72,3 +72,11 @@ def test_session_drops_oldest_turns_when_context_is_full(tiny_path):
         s.reply("the " * 8 + str(i))
     assert len(tok.apply_chat_template(s.messages[:-1], add_generation_prompt=True)) <= 128 - 8
     assert s.messages[-2]["content"].endswith("5") and len(s.messages) < 12
+
+
+def test_info_reads_a_gguf_file(tiny_path, capsys):
+    # `seqlab info` on the file a user has (not only on folders): config, size and the measured routes
+    assert main(["info", str(tiny_path)]) == 0
+    out = capsys.readouterr().out
+    assert '"arch": "decoder"' in out and "parameters: " in out
+    assert "accel for decode (1 rows/product)" in out

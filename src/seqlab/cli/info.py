@@ -4,22 +4,27 @@ chose for it on this machine (measured on first use, cached)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from seqlab.accel import accelerate
-from seqlab.io import load_pretrained
+from seqlab.io import load_gguf, load_pretrained
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("info", help="show a model's configuration and size",
-                       description="Print the ModelConfig, parameter count and KV-cache bytes per token of a model folder.")
+                       description="Print the ModelConfig, parameter count and KV-cache bytes per token of a model folder "
+                                   "or GGUF file, and the CPU routes measured for it on this machine.")
     p.add_argument("path", help="a seqlab or Hugging Face model folder (config.json + model.safetensors), a training "
-                                "checkpoint, or a run directory (its latest checkpoint)")
+                                "checkpoint, a run directory (its latest checkpoint), or a .gguf file (its weights "
+                                "dense, as `seqlab generate --gguf` loads them)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_pretrained(args.path)
+    path = Path(args.path)
+    model = load_gguf(path, with_tokenizer=False)[0] if path.suffix == ".gguf" and path.is_file() \
+        else load_pretrained(args.path)
     cfg = model.config
     print(cfg.to_json())
     per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
