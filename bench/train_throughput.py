@@ -286,10 +286,11 @@ def main() -> None:
 
     flops_tok = model_flops_per_token(args)
     tokens = args.batch_size * args.seq_len
-    peaks = measured_peaks(args.precisions.split(","))
+    precisions = args.precisions.split(",")
+    peaks = measured_peaks(precisions)
     results, plans = [], {}
     n_params = build_pair(args)[2]
-    for precision in args.precisions.split(","):
+    for precision in precisions:
         libs = ["seqlab", "seqlab+fused", "seqlab+accel", "hf"] + (["seqlab+accel+compile"] if args.compile else [])
         workers: dict[str, Worker] = {}
         try:
@@ -308,14 +309,13 @@ def main() -> None:
             tok_s = tokens / sec
             results.append({"library": name, "precision": precision, "step_s": sec, "tokens_per_s": tok_s,
                             "model_tflops": flops_tok * tok_s / 1e12, "step_s_all": ts, "params": n_params})
-    peaks = measured_peaks(args.precisions.split(","), earlier=peaks)
+    peaks = measured_peaks(precisions, earlier=peaks)
     for r in results:
         r["mfu"] = r["model_tflops"] * 1e12 / peaks[r["precision"]]
-    tables = {p: gemm_table(args, PRECISION_DTYPES[p])
-              for p in args.precisions.split(",")}
+    tables = {p: gemm_table(args, PRECISION_DTYPES[p]) for p in precisions}
     floors = {p: weight_gemm_floor_s(t) for p, t in tables.items()}
     speedups = {}
-    for precision in args.precisions.split(","):
+    for precision in precisions:
         by = {r["library"]: r for r in results if r["precision"] == precision}
         speedups[precision] = {k: by[k]["tokens_per_s"] / by["hf"]["tokens_per_s"] for k in by if k != "hf"}
 

@@ -29,8 +29,8 @@ from seqlab.runtime.schedule import warmup_cosine
 
 METHODS = ("ccsd", "cisd", "casci", "hf", "none")
 PHASE_WEIGHTS = ("amplitude", "probability")
-# configurations with |c|^2 below this are left out of the fit: the loss is weighted by |c|^2, so they cannot move
-# it, while each costs a forward pass per step (CCSD puts 7 247 of C2's determinants above |c| = 1e-8, 1 074 above
+# configurations with |c|^2 below this are left out of the fit: the cross-entropy weighs by |c|^2 and the phase loss
+# by |c| (under 1e-4 of the largest), so they barely move it, while each costs a forward pass per step (CCSD puts 7 247 of C2's determinants above |c| = 1e-8, 1 074 above
 # |c|^2 = 1e-8 holding all but 2e-6 of the weight: 1.4 s a fit step against 0.2 s)
 SUPPORT_EPS = 1e-8
 # and at most this many, the largest |c|: a fit step costs ~0.3 ms per configuration (H2O/6-31G: CCSD puts 5 641
@@ -197,9 +197,9 @@ def fit(wf: Wavefunction, target: TargetState, cfg: WarmStartConfig, progress: b
             opt.step()
             cross_entropy, phase_loss = ce.item(), pl.item()
             bar.update(1)
-    return {"method": target.method, "steps": cfg.steps, "phase_weight": cfg.phase_weight, "cross_entropy": cross_entropy, "phase_loss": phase_loss,
-            "overlap": overlap(wf, target), "target_energy": target.energy,
-            "target_variational_energy": target.variational_energy}
+    return {"method": target.method, "steps": cfg.steps, "phase_weight": cfg.phase_weight,
+            "cross_entropy": cross_entropy, "phase_loss": phase_loss, "overlap": overlap(wf, target),
+            "target_energy": target.energy, "target_variational_energy": target.variational_energy}
 
 
 @torch.no_grad()
