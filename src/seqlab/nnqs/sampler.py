@@ -10,8 +10,9 @@ KV cache: the decoder reads a prefix one token at a time (``generate.engine.pref
 ``decode_step``), exactly like text generation. When prefixes branch, each child gets a copy of its parent's
 keys/values, so nothing is recomputed. The copy is taken only when a level is about to be decoded (a level carries
 its parent's cache and the parent rows it needs, ``_level_cache``): leaves and forced tails are never decoded, and
-on C2's sector tree the copies they skip were two thirds of the walk's time (0.64 -> 0.35 s). ``use_cache=False`` re-runs the whole prefix at every
-orbital, for comparison (bench/nnqs_speed.py) and as a correctness check (the probabilities must agree).
+on C2's sector tree the copies they skip were half the walk's time (docs/nnqs.md, "Speed"). ``use_cache=False``
+re-runs the whole prefix at every orbital, for comparison (bench/nnqs_speed.py) and as a correctness check (the
+probabilities must agree).
 
 Memory: when the number of unique prefixes exceeds ``max_batch``, the level is cut into chunks that are finished
 depth-first, one after the other, so at most about ``max_batch`` rows (and their caches) are alive per level.
