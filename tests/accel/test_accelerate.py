@@ -93,6 +93,41 @@ def _check_slow_route_refused():
         assert choice.route != "slow-packed"
 
 
+class TickRoute(DenseRoute):
+    """The plain product on a fake clock: every call costs 1 tick, except the calls listed in ``stalls``."""
+
+    def __init__(self, name: str, clock: list[float], stalls: dict[int, float]):
+        self.name, self.clock, self.stalls = name, clock, stalls
+
+    def convert(self, layer, use):
+        calls = [0]
+
+        def forward(x):
+            calls[0] += 1
+            self.clock[0] += self.stalls.get(calls[0], 1.0)
+            return layer(x)
+        return _Call(forward)
+
+
+class _Call(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def test_a_spent_budget_still_gets_a_timed_round():
+    """When the warm-up alone exceeds the budget (a large LM head), the routes still get an interleaved round, so
+    one stalled call (here the warm-up's timed call, 10 ticks instead of 1) does not decide the choice."""
+    now = [0.0]
+    routes = [TickRoute("plain", now, {}), TickRoute("stalled", now, {2: 10.0})]
+    timings = calibrate.time_routes(Use("decode", 1, torch.float32), 8, 8, False, routes, budget_s=0.0,
+                                    clock=lambda: now[0])
+    assert timings == {"plain": 1.0, "stalled": 1.0}
+
+
 def test_a_route_faster_than_plain_is_chosen_and_slower_never():
     timings = {"dense": 2.0, "a": 1.0, "b": 3.0}
     assert calibrate.fastest(timings) == "a"

@@ -149,13 +149,12 @@ def time_routes(use: Use, in_features: int, out_features: int, bias: bool, route
     for name in list(runners)[1:]:
         if first[name] > _HOPELESS * plain + 1e-3:
             del runners[name]
-    samples: dict[str, list[float]] = {name: [] for name in runners}
+    # the warm-up's timed call is a sample too; at least one interleaved round follows even when the warm-up spent
+    # the budget (a large LM head), so no choice rests on a single call that a busy moment of the machine can spoil
+    samples: dict[str, list[float]] = {name: [first[name]] for name in runners}
     reps = max(1, min(50, int(2e-3 / max(plain, 1e-7))))  # a round of the plain route takes ~2 ms or more
     round_cost = reps * sum(first[name] for name in runners)
-    # no timed round at all when the warm-up already spent the budget: then the warm-up times are the measurement
-    rounds = max(0, min(15, int((budget_s - sum(first.values())) / max(round_cost, 1e-9))))
-    if rounds == 0:
-        return {name: first[name] for name in runners}
+    rounds = max(1, min(15, int((budget_s - sum(first.values())) / max(round_cost, 1e-9))))
     for _ in range(rounds):
         for name, run in runners.items():  # interleaved: a busy phase of a shared machine hits every route
             t0 = clock()
