@@ -100,22 +100,18 @@ class TickRoute(DenseRoute):
         self.name, self.clock, self.stalls = name, clock, stalls
 
     def convert(self, layer, use):
-        calls = [0]
-
-        def forward(x):
-            calls[0] += 1
-            self.clock[0] += self.stalls.get(calls[0], 1.0)
-            return layer(x)
-        return _Call(forward)
+        return _TickLinear(layer, self.clock, self.stalls)
 
 
-class _Call(nn.Module):
-    def __init__(self, fn):
+class _TickLinear(nn.Module):
+    def __init__(self, layer: nn.Linear, clock: list[float], stalls: dict[int, float]):
         super().__init__()
-        self.fn = fn
+        self.layer, self.clock, self.stalls, self.calls = layer, clock, stalls, 0
 
     def forward(self, x):
-        return self.fn(x)
+        self.calls += 1
+        self.clock[0] += self.stalls.get(self.calls, 1.0)
+        return self.layer(x)
 
 
 def test_a_spent_budget_still_gets_a_timed_round():
