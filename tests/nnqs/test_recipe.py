@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from seqlab.nnqs.recipe import RANDOM_START, SAMPLED_SAMPLES, WARM_START, default_samples, default_steps, recipe_for
+from seqlab.nnqs.recipe import (RANDOM_START, SAMPLED_SAMPLES, SELECTED_SAMPLES, WARM_START, default_samples,
+                                 default_steps, recipe_for)
 from seqlab.nnqs.space import n_configurations
 from seqlab.nnqs.vmc import VMCConfig
 
@@ -24,9 +25,13 @@ def test_each_start_gets_its_own_recipe():
 
 
 def test_default_samples_are_finite_past_the_sector_fast_path():
-    """Past ``sector_max`` each unique sample costs a local energy over its connected configurations: N_s = 1e10
-    there drew ~1e5 unique samples of H2O/6-31G and ran out of memory, so the default drops to a few thousand."""
+    """Past ``sector_max`` a sampled step's unique samples each cost a local energy over their connected
+    configurations: N_s = 1e10 there drew ~1e5 unique samples of H2O/6-31G and ran out of memory, so the sampled
+    default drops to a few thousand. The selected sum (``auto`` there) sums over what it samples: N_s = 1e6."""
     limit = VMCConfig.sector_max
     assert default_samples(14_400, limit) == 10**10  # N2: the exact sum, N_s unused
-    assert default_samples(1_656_369, limit) == SAMPLED_SAMPLES <= 10_000  # H2O/6-31G
-    assert default_samples(limit, limit) == 10**10 and default_samples(limit + 1, limit) == SAMPLED_SAMPLES
+    assert default_samples(1_656_369, limit, "sampled") == SAMPLED_SAMPLES <= 10_000  # H2O/6-31G
+    assert default_samples(1_656_369, limit) == default_samples(1_656_369, limit, "selected-sum") == SELECTED_SAMPLES
+    assert SELECTED_SAMPLES <= 10**7
+    assert default_samples(limit, limit) == 10**10
+    assert default_samples(limit + 1, limit, "sampled") == SAMPLED_SAMPLES

@@ -120,6 +120,9 @@ def test_warm_start_pt_is_the_default_fits_the_perturbed_state_and_records_it(tm
     assert warm["phase_weight"] == "amplitude"
     assert _cli([*argv, "--overwrite", "--warm-start-phase-weight", "probability"]) == 0
     assert json.loads((out / "result.json").read_text())["warm_start"]["phase_weight"] == "probability"
+    assert warm["n_configs"] > 5  # LiH's CCSD+pt state, above |c|^2 = 1e-8; the cap keeps its largest
+    assert _cli([*argv, "--overwrite", "--warm-start-max-configs", "5"]) == 0
+    assert json.loads((out / "result.json").read_text())["warm_start"]["n_configs"] == 5
 
 
 def test_resume_without_steps_keeps_the_run_length_it_started_with(tmp_path):
@@ -211,6 +214,7 @@ def test_lr_schedule_warms_up_then_decays():
         (["--molecule", "h2", "--spin", "1"], "2S must be even"),
         (["--molecule", "h2", "--phase-hidden", "0"], "--phase-hidden must be >= 1, got 0"),
         (["--molecule", "h2", "--layers", "0"], "--layers must be >= 1, got 0"),
+        (["--molecule", "h2", "--warm-start-max-configs", "0"], "--warm-start-max-configs must be >= 1, got 0"),
     ],
 )
 def test_cli_rejects_bad_input_with_clear_errors(argv, msg, capsys):
@@ -220,10 +224,10 @@ def test_cli_rejects_bad_input_with_clear_errors(argv, msg, capsys):
     assert msg in capsys.readouterr().err
 
 
-def _torchrun(nproc: int, out, steps: int) -> dict:
+def _torchrun(nproc: int, out, steps: int, extra: tuple[str, ...] = ()) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "seqlab.cli.nnqs", "--molecule", "h2", "--steps", str(steps), "--out", str(out), "--quiet",
-           "--threads", "1", "--no-cc"]
+           "--threads", "1", "--no-cc", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -248,3 +252,18 @@ def test_torchrun_two_processes_match_one(tmp_path):
     # the trained wavefunctions agree within chemical accuracy, both close to FCI
     assert abs(one["energy"] - two["energy"]) * 1000 < CHEMICAL_ACCURACY_MHA
     assert abs(two["error_mha"]) < CHEMICAL_ACCURACY_MHA
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_torchrun_selected_sum_takes_the_same_steps_as_one_process(tmp_path):
+    """The selected sum on 2 ranks: both draw the same sample tree (the same space) and split its gradient set, so
+    the energies step by step are those of 1 process up to the float32 round-off of the summation order."""
+    flags = ("--estimator", "selected-sum", "--samples", "1e6")
+    _torchrun(1, tmp_path / "one", 20, flags)
+    two = _torchrun(2, tmp_path / "two", 20, flags)
+    assert two["estimator"] == "selected-sum" and two["world_size"] == 2
+    e1 = [json.loads(x)["energy"] for x in (tmp_path / "one" / "energies.jsonl").read_text().splitlines()]
+    e2 = [json.loads(x)["energy"] for x in (tmp_path / "two" / "energies.jsonl").read_text().splitlines()]
+    assert len(e1) == len(e2) == 20 and e1[0] == pytest.approx(e2[0], abs=1e-12)
+    assert max(abs(a - b) for a, b in zip(e1, e2)) < 1e-6

@@ -15,14 +15,15 @@ from pathlib import Path
 from seqlab.nnqs.ansatz import AnsatzConfig
 from seqlab.nnqs.driver import RunResult, run_vmc
 from seqlab.nnqs.molecules import UNITS, get_molecule
-from seqlab.nnqs.recipe import (EXACT_SUM_SAMPLES, RANDOM_START, SAMPLED_SAMPLES, WARM_START, Recipe,
-                                 default_samples, default_steps, recipe_for)
+from seqlab.nnqs.recipe import (EXACT_SUM_SAMPLES, RANDOM_START, SAMPLED_SAMPLES, SELECTED_SAMPLES, WARM_START,
+                                 Recipe, default_samples, default_steps, recipe_for)
 from seqlab.nnqs.references import prepare
 from seqlab.nnqs.sampler import SamplerConfig
 from seqlab.nnqs.space import n_configurations
 from seqlab.nnqs.vmc import ESTIMATORS, HARTREE_TO_MHA, VMCConfig
 from seqlab.nnqs.vmc_checkpoint import check_new_run, checkpointed_steps, existing_run
-from seqlab.nnqs.warm_start import METHODS as WARM_START_METHODS, PHASE_WEIGHTS, WarmStartConfig, target_state
+from seqlab.nnqs.warm_start import (MAX_FIT_CONFIGS, METHODS as WARM_START_METHODS, PHASE_WEIGHTS, WarmStartConfig,
+                                    target_state)
 from seqlab.runtime import atomic_write_text, progress as progress_bar
 from seqlab.runtime.dist import barrier, init_distributed, set_cpu_threads, shutdown
 from seqlab.runtime.files import ensure_writable_dir
@@ -33,9 +34,11 @@ EPILOG = """\
 Expected run time with the defaults (CCSD warm start, a valence CASCI where CCSD does not converge; exact sum;
 1 thread, CPU time; see docs/nnqs.md):
   h2 ~10 s, lih ~20 s (0.05-0.15 mHa, 3 seeds), h2o ~35 s (0.19-0.22 mHa, 3 seeds), nh3 ~4 min (1000 steps,
-  0.40-0.58 mHa, 3 seeds). n2 (20 spin orbitals, 14400 determinants): 2500 steps, ~30 min; seeds 0/1/2
-  ended at 2.23 / 0.51 / 0.18 mHa (Intel Xeon; seed 0 stays on a plateau).
-  c2 (44100 determinants): ~60 min, 2.00 mHa (seed 0).
+  0.40-0.58 mHa, 3 seeds). n2 (20 spin orbitals, 14400 determinants): 2500 steps, ~20 min of CPU (10-11 min
+  on 2 cores), 0.13-0.72 mHa (3 seeds, Intel Xeon). c2 (44100 determinants): 25-42 min on 2 cores, 0.40-1.11 mHa
+  (3 seeds each on an Intel Xeon and an AMD EPYC).
+  h2o --basis 6-31g (1.7 M determinants: the selected sum): --warm-start-max-configs 8192 --steps 1500 ended at
+  2.7-2.8 mHa after ~63 min on 2 cores (not yet chemical accuracy).
   --warm-start none: the earlier random-start recipe with entropy annealing.
 Examples:
   seqlab nnqs --molecule h2o
@@ -67,15 +70,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "10000, 2500 from there)")
     p.add_argument("--samples", type=float, default=None,
                    help=f"samples per step N_s (default {EXACT_SUM_SAMPLES:.0e} where the sector fast path holds the "
-                        f"sector, {SAMPLED_SAMPLES} past it; cost grows with the *unique* samples only)")
+                        f"sector; past it {SELECTED_SAMPLES:.0e} for the selected sum, {SAMPLED_SAMPLES} with "
+                        "--estimator sampled; cost grows with the *unique* samples only)")
     p.add_argument("--samples-final", type=float, default=None,
                    help="N_s at the last step: grows geometrically from --samples (default: constant N_s)")
     p.add_argument("--local-energy", choices=("exact", "sample-space"), default="exact",
                    help="exact (unbiased) or the sample-space approximation of NNQS-Transformer/NAQS (biased)")
     p.add_argument("--estimator", choices=ESTIMATORS, default="auto",
                    help="exact-sum: E and its gradient summed over the whole sector with exact probabilities (no "
-                        "sampling noise; needs a sector of at most 200000 determinants); sampled: N_s samples "
-                        "(--samples); auto (default): exact-sum where the sector allows it")
+                        "sampling noise; needs a sector of at most 200000 determinants); selected-sum: the same sum "
+                        "over every configuration sampled so far (N_s a step; the energy of psi restricted to them); "
+                        "sampled: N_s samples (--samples); auto (default): exact-sum where the sector allows it, "
+                        "selected-sum past it")
     p.add_argument("--exact-tail", type=float, default=VMCConfig.exact_tail,
                    help="exact-sum: the gradient skips the least probable configurations holding this much "
                         f"probability (default {VMCConfig.exact_tail:g}; the energy always sums over all)")
@@ -106,6 +112,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="add one Epstein-Nesbet perturbative step to the warm-start state (first-order connected "
                         "triples and beyond; one H application over the sector), kept only if it lowers the state's "
                         "energy (default on; --no-warm-start-pt fits the state as the method gives it)")
+    p.add_argument("--warm-start-max-configs", type=int, default=MAX_FIT_CONFIGS, metavar="N",
+                   help="fit at most the N largest configurations of the warm-start state (default %(default)s; "
+                        "H2O/6-31G's CCSD+pt state has 7108 above |c|^2 = 1e-8: 8192 starts VMC at 8 instead of 14 "
+                        "mHa, for a 4x longer fit; see docs/nnqs.md)")
     p.add_argument("--warm-start-steps", type=int, default=WarmStartConfig.steps,
                    help=f"supervised steps of the warm start (default {WarmStartConfig.steps})")
     p.add_argument("--warm-start-phase-weight", choices=PHASE_WEIGHTS, default=WarmStartConfig.phase_weight,
@@ -183,6 +193,7 @@ def check_flags(args: argparse.Namespace) -> int | None:
     for flag, value, low in (("--warmup", args.warmup, 0), ("--anneal", args.anneal, 0), ("--steps", args.steps, 1),
                              ("--max-batch", args.max_batch, 1), ("--checkpoint-every", args.checkpoint_every, 1),
                              ("--threads", args.threads, 1), ("--warm-start-steps", args.warm_start_steps, 0),
+                             ("--warm-start-max-configs", args.warm_start_max_configs, 1),
                              ("--rollback-tol", args.rollback_tol, 0), ("--rollback-after", args.rollback_after, 0),
                              ("--d-model", args.d_model, 1), ("--layers", args.layers, 1), ("--heads", args.heads, 1),
                              ("--phase-hidden", args.phase_hidden, 1), ("--phase-layers", args.phase_layers, 1)):
@@ -223,6 +234,8 @@ def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, a
         "energy": fin["energy"], "energy_std": fin["energy_std"], "energy_variance": fin["variance"],
         "final_eval": fin["final_eval"], "final_eval_samples": fin["final_eval_samples"],
         "final_eval_time_s": fin["time_s"],
+        "selected_energy": fin.get("selected_energy"), "selected_size": fin.get("selected_size"),
+        "selected_error_mha": error_mha(fin.get("selected_energy")),
         "e_hf": refs.e_hf, "e_ccsd": refs.e_ccsd, "e_ccsd_t": refs.e_ccsd_t, "e_fci": refs.e_fci,
         "e_fci_sector": refs.e_fci_sector,
         "error_mha": error_mha(fin["energy"]), "e_ccsd_t_error_mha": error_mha(refs.e_ccsd_t),
@@ -260,10 +273,11 @@ def run(args: argparse.Namespace) -> int:
         system = prepare(mol, fci=not args.no_fci, cc=not args.no_cc)
         t_ref = time.perf_counter() - t0
         refs, ham = system.references, system.hamiltonian
-        warm = target_state(args.warm_start, system.mf, ham.n_orb, ham.n_alpha, ham.n_beta, perturb=args.warm_start_pt)
+        warm = target_state(args.warm_start, system.mf, ham.n_orb, ham.n_alpha, ham.n_beta, perturb=args.warm_start_pt,
+                            max_configs=args.warm_start_max_configs)
         fill_recipe(args, recipe_for("none" if warm is None else warm.method))
         n_conf = n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)
-        samples = samples or default_samples(n_conf, VMCConfig.sector_max)
+        samples = samples or default_samples(n_conf, VMCConfig.sector_max, args.estimator)
         if args.steps is None:  # a resumed run keeps the length it was started with
             args.steps = ((checkpointed_steps(out) if args.resume else None)
                           or default_steps(n_conf))

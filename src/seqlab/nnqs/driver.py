@@ -20,8 +20,8 @@ from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
 from seqlab.nnqs.evaluate import evaluate_energy
 from seqlab.nnqs.hamiltonian import Hamiltonian
 from seqlab.nnqs.step_guard import StepGuard
-from seqlab.nnqs.vmc import HARTREE_TO_MHA, StepStats, VMCConfig, build_sector, initial_temperature, uses_exact_sum, \
-    vmc_step
+from seqlab.nnqs.vmc import HARTREE_TO_MHA, StepStats, VMCConfig, build_sector, build_selected, initial_temperature, \
+    uses_exact_sum, vmc_step
 from seqlab.nnqs.warm_start import TargetState, WarmStartConfig, fit
 from seqlab.nnqs.vmc_checkpoint import LOG, check_new_run, checkpoint_store, clean_stale, load_checkpoint, \
     save_checkpoint
@@ -42,7 +42,7 @@ class RunResult:
     stopped_at: int | None = None  # completed steps when a signal stopped the run
     checkpoint: Path | None = None  # the last checkpoint written or loaded
     warm_start: dict | None = None  # the supervised fit's losses and overlap (fresh runs with a target only)
-    estimator: str = "sampled"  # what the steps used: "exact-sum" or "sampled" (VMCConfig.estimator resolved)
+    estimator: str = "sampled"  # what the steps used: "exact-sum", "selected-sum" or "sampled" (resolved "auto")
     rollbacks: list[int] = field(default_factory=list)  # steps whose energy jump the step guard undid (exact-sum runs)
 
 
@@ -104,8 +104,11 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     if t0 is None:
         t0 = initial_temperature(wf, ham, cfg, dist)
     sector = build_sector(ham, cfg, dist)
-    estimator = "exact-sum" if uses_exact_sum(cfg, sector) else "sampled"
-    guard.active = estimator == "exact-sum" and cfg.anneal == 0  # only an exact, unannealed energy can be judged
+    selected = None if uses_exact_sum(cfg, sector) else build_selected(ham, cfg, sector)
+    if selected is not None and warm_start is not None:  # the fitted state's support: S holds it from step 0
+        selected.add(warm_start.keys)
+    estimator = "exact-sum" if uses_exact_sum(cfg, sector) else "selected-sum" if selected is not None else "sampled"
+    guard.active = estimator != "sampled" and cfg.anneal == 0  # only an exact, unannealed energy can be judged
     log = Logbook(out / LOG if out is not None else Path(LOG), resume_step=start_step - 1 if start_step else None,
                   tensorboard_dir=tensorboard, enabled=out is not None and dist.is_main)
     records = log.rows() if log.enabled else []
@@ -114,7 +117,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     with log:
         for step in range(start_step, cfg.steps):
             guard.before_step(step, wf, opt)
-            st = vmc_step(wf, ham, opt, cfg, step, dist, t0, sector)
+            st = vmc_step(wf, ham, opt, cfg, step, dist, t0, sector, selected)
             rec = asdict(st)
             if guard.after_step(step, st.energy, wf, opt):
                 rec["rolled_back_to"] = guard.best_step
@@ -140,7 +143,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
         return RunResult(wf, records, None, time.perf_counter() - t_start, stopped_at, checkpoint, warm, estimator,
                          guard.rollbacks)
     t_eval = time.perf_counter()
-    final = evaluate_energy(wf, ham, cfg, dist)
+    final = evaluate_energy(wf, ham, cfg, dist, selected=selected)
     final["time_s"] = time.perf_counter() - t_eval
     return RunResult(wf, records, final, time.perf_counter() - t_start, None, checkpoint, warm, estimator,
                      guard.rollbacks)

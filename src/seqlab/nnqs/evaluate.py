@@ -8,22 +8,32 @@ import torch
 
 from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.nnqs.hamiltonian import Hamiltonian
+from seqlab.nnqs.exact_sum import subspace_sum
 from seqlab.nnqs.local_energy import PsiTable, local_energy
 from seqlab.nnqs.sampler import sample
+from seqlab.nnqs.selected_space import SelectedSpace
 from seqlab.nnqs.space import all_configurations, n_configurations, tokens_to_keys
 from seqlab.nnqs.vmc import VMCConfig, make_evaluator, samples_at, step_generators
 from seqlab.runtime.dist import DistInfo, all_reduce_sum
 
 
 @torch.no_grad()
-def evaluate_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: DistInfo, seed: int = 12345) -> dict:
+def evaluate_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: DistInfo, seed: int = 12345,
+                    selected: SelectedSpace | None = None) -> dict:
     """Final energy: exact sum over the whole space when it is small, else a large sample (exact local energies).
 
     Deliberately on the per-sample enumeration path, not the sector fast path used in training: the reported
-    energy is then an independent check of it (and the one-off cost is small).
+    energy is then an independent check of it (and the one-off cost is small). After a selected-sum run
+    (``selected``: its space) the sample is N_s of the last step, not 100x: each unique sample costs an exact local
+    energy over its ~10^3 connected configurations; ``selected_energy`` is the exact energy of psi restricted to the
+    space of the last step (variational; what the training minimised).
     """
     n_conf = n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)
     evaluate = make_evaluator(wf)
+    extra = {}
+    if selected is not None:  # the space of the last step (the same on every rank)
+        ex = subspace_sum(evaluate(selected.keys), selected.hamiltonian(), 0.0, 1)
+        extra = {"selected_energy": ex.energy.real, "selected_size": len(selected)}
     if n_conf <= cfg.eval_exact_max:
         tokens = all_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)
         keys = tokens_to_keys(tokens)
@@ -37,8 +47,8 @@ def evaluate_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: Di
         e, e2, psum = (float(v) for v in sums)
         e, e2 = e / psum, e2 / psum  # psum == 1 up to float32 round-off of log P; normalising removes it
         return {"energy": e, "energy_std": 0.0, "variance": max(e2 - e * e, 0.0), "final_eval": "exact",
-                "final_eval_samples": None, "n_configurations": n_conf, "prob_sum": psum}
-    n_s = cfg.eval_samples or 100 * samples_at(cfg, cfg.steps - 1)
+                "final_eval_samples": None, "n_configurations": n_conf, "prob_sum": psum} | extra
+    n_s = cfg.eval_samples or (1 if selected is not None else 100) * samples_at(cfg, cfg.steps - 1)
     shared, local = step_generators(seed, 0, dist.rank)
     s = sample(wf, n_s, shared, cfg.sampler, dist.rank, dist.world_size, local)
     keys = tokens_to_keys(s.tokens)
@@ -51,4 +61,4 @@ def evaluate_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: Di
     e, e2 = (float(v) for v in sums)
     var = max(e2 - e * e, 0.0)
     return {"energy": e, "energy_std": math.sqrt(var / n_s), "variance": var, "final_eval": "sampled",
-            "final_eval_samples": n_s, "n_configurations": n_conf, "prob_sum": None}
+            "final_eval_samples": n_s, "n_configurations": n_conf, "prob_sum": None} | extra

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from seqlab.nnqs.ansatz import Wavefunction
-from seqlab.nnqs.local_energy import SectorHamiltonian
+from seqlab.nnqs.local_energy import SectorHamiltonian, SubspaceHamiltonian
 from seqlab.nnqs.sampler import enumerate_log_prob
 from seqlab.nnqs.space import tokens_to_keys
 
@@ -42,6 +42,7 @@ class ExactSum:
     variance: float  # <psi|H^2|psi> / <psi|psi> - |E|^2 (zero exactly at an eigenstate)
     n_kept: int  # size of the whole gradient set (all ranks)
     tail_mass: float  # probability left out of the gradient set
+    probabilities: Tensor  # [D] float64, P(x) over the whole space (every rank)
 
 
 @torch.no_grad()
@@ -74,16 +75,23 @@ def gradient_set(prob: Tensor, tail: float, max_configs: int) -> Tensor:
 @torch.no_grad()
 def exact_sum(wf: Wavefunction, sector: SectorHamiltonian, tail: float, max_configs: int, rank: int = 0,
               world_size: int = 1) -> ExactSum:
-    """E, its variance and E_loc on the gradient set from psi on the whole sector (see the module docstring).
+    """E, its variance and E_loc on the gradient set from psi on the whole sector (see the module docstring)."""
+    return subspace_sum(sector_log_psi(wf, sector), sector, tail, max_configs, rank, world_size)
 
-    psi is scaled by its largest amplitude before H psi, so nothing overflows; amplitudes that underflow to zero
-    are below 1e-300 of the largest and contribute nothing at double precision. Every rank computes the same numbers
-    and keeps a strided share of the gradient set for its backward (the gradients are all-reduced by the caller).
+
+def subspace_sum(log_psi: Tensor, space: SubspaceHamiltonian, tail: float, max_configs: int, rank: int = 0,
+                 world_size: int = 1) -> ExactSum:
+    """The exact sum over ``space`` given log psi [D] on all of it: the whole sector, or a selected space.
+
+    Over a selected space S this is the energy of psi restricted to S, <psi_S|H|psi_S> / <psi_S|psi_S>, a variational
+    energy in its own right, with its exact gradient. psi is scaled by its largest amplitude before H psi, so nothing
+    overflows; amplitudes that underflow to zero are below 1e-300 of the largest and contribute nothing at double
+    precision. Every rank computes the same numbers and keeps a strided share of the gradient set for its backward
+    (the gradients are all-reduced by the caller).
     """
-    log_psi = sector_log_psi(wf, sector)
     psi = torch.exp(log_psi - log_psi.real.max())
-    h_psi = torch.complex(torch.from_numpy(sector.matrix @ psi.real.numpy()),
-                          torch.from_numpy(sector.matrix @ psi.imag.numpy()))
+    h_psi = torch.complex(torch.from_numpy(space.matrix @ psi.real.numpy()),
+                          torch.from_numpy(space.matrix @ psi.imag.numpy()))
     norm = float((psi.abs() ** 2).sum())
     energy = complex((psi.conj() * h_psi).sum()) / norm
     variance = max(float((h_psi.abs() ** 2).sum()) / norm - abs(energy) ** 2, 0.0)
@@ -91,6 +99,6 @@ def exact_sum(wf: Wavefunction, sector: SectorHamiltonian, tail: float, max_conf
     kept = gradient_set(prob, tail, max_configs)
     mine = kept[rank::world_size]
     # E_loc row by row, each row scaled by its own psi(x): exact also for configurations far below the largest
-    eloc = sector.local_energy(sector.keys[mine], log_psi)
-    return ExactSum(sector.tokens[mine], prob[mine], eloc, energy, variance, len(kept),
-                    max(0.0, 1.0 - float(prob[kept].sum())))
+    eloc = space.local_energy(space.keys[mine], log_psi)
+    return ExactSum(space.tokens[mine], prob[mine], eloc, energy, variance, len(kept),
+                    max(0.0, 1.0 - float(prob[kept].sum())), prob)

@@ -116,12 +116,52 @@ def local_energy(
     return out
 
 
-class SectorHamiltonian:
+class SubspaceHamiltonian:
+    """H restricted to a set of configurations: ``keys`` [D] (sorted), ``tokens`` [D, n_orb], and ``matrix``, H over
+    their positions as a real float64 scipy CSR matrix, diagonal included.
+
+    The whole sector (``SectorHamiltonian``) and the selected space of the selected-sum estimator
+    (``selected_space.SelectedSpace``) are both such restrictions; the exact sum reads them the same way.
+    """
+
+    def __init__(self, keys: Tensor, tokens: Tensor, matrix):
+        self.keys, self.tokens, self.matrix = keys, tokens, matrix
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def find(self, keys: Tensor) -> tuple[Tensor, Tensor]:
+        """(positions [M] in ``keys``, found [M] bool) of configuration keys."""
+        pos = torch.searchsorted(self.keys, keys).clamp_max(len(self.keys) - 1)
+        return pos, self.keys[pos] == keys
+
+    def local_energy(self, keys: Tensor, log_psi: Tensor, max_elements: int = 1 << 21) -> Tensor:
+        """E_loc [B] complex128 at ``keys`` [B], from ``log_psi`` [D] on every configuration of this space.
+
+        E_loc(x) = (H psi)(x) / psi(x) over the sampled rows of H only, each row scaled by its own psi(x):
+        sum_x' H[x, x'] exp(log psi(x') - log psi(x)), x' over this space (exact when it is the whole sector).
+        """
+        pos, found = self.find(keys.to(torch.int64))
+        if not bool(found.all()):
+            raise ValueError("local_energy: a configuration is outside this space")
+        log_psi = log_psi.to(torch.complex128)
+        out = torch.empty(len(pos), dtype=torch.complex128)
+        chunk = max(1, max_elements * len(self) // max(1, self.matrix.nnz))
+        for start in range(0, len(pos), chunk):
+            p = pos[start : start + chunk]
+            rows = self.matrix[p.numpy()]
+            row = torch.from_numpy(np.repeat(np.arange(len(p)), np.diff(rows.indptr)))
+            ratio = torch.exp(log_psi[torch.from_numpy(rows.indices).long()] - log_psi[p][row])
+            acc = torch.zeros(len(p), dtype=torch.complex128)
+            out[start : start + chunk] = acc.index_add_(0, row, torch.from_numpy(rows.data) * ratio)
+        return out
+
+
+class SectorHamiltonian(SubspaceHamiltonian):
     """H restricted to the whole (N_alpha, N_beta) sector, for the exact local energy's sector fast path.
 
-    ``keys`` [D] (sorted) and ``tokens`` [D, n_orb] list every configuration of the sector; ``matrix`` is H over
-    their positions as a real float64 scipy CSR matrix, diagonal included. Built once per run (see the module
-    docstring for when that pays), in chunks of about ``max_elements`` connected elements.
+    ``keys`` and ``tokens`` list every configuration of the sector, so E_loc read off it is exact. Built once per
+    run (see the module docstring for when that pays), in chunks of about ``max_elements`` connected elements.
     """
 
     def __init__(self, ham: Hamiltonian, max_elements: int = 1 << 21, progress: bool = True):
@@ -150,32 +190,3 @@ class SectorHamiltonian:
         self.matrix = sparse.csr_matrix(
             (torch.cat(data).numpy(), torch.cat(indices).numpy().astype(index_dtype, copy=False),
              indptr.numpy().astype(index_dtype)), shape=(D, D))
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def find(self, keys: Tensor) -> tuple[Tensor, Tensor]:
-        """(positions [M] in ``keys``, found [M] bool) of configuration keys."""
-        pos = torch.searchsorted(self.keys, keys).clamp_max(len(self.keys) - 1)
-        return pos, self.keys[pos] == keys
-
-    def local_energy(self, keys: Tensor, log_psi: Tensor, max_elements: int = 1 << 21) -> Tensor:
-        """Exact E_loc [B] complex128 at ``keys`` [B], from ``log_psi`` [D] on every sector configuration.
-
-        E_loc(x) = (H psi)(x) / psi(x) over the sampled rows of H only, each row scaled by its own psi(x):
-        sum_x' H[x, x'] exp(log psi(x') - log psi(x)).
-        """
-        pos, found = self.find(keys.to(torch.int64))
-        if not bool(found.all()):
-            raise ValueError("local_energy: a configuration is outside the (N_alpha, N_beta) sector")
-        log_psi = log_psi.to(torch.complex128)
-        out = torch.empty(len(pos), dtype=torch.complex128)
-        chunk = max(1, max_elements * len(self) // max(1, self.matrix.nnz))
-        for start in range(0, len(pos), chunk):
-            p = pos[start : start + chunk]
-            rows = self.matrix[p.numpy()]
-            row = torch.from_numpy(np.repeat(np.arange(len(p)), np.diff(rows.indptr)))
-            ratio = torch.exp(log_psi[torch.from_numpy(rows.indices).long()] - log_psi[p][row])
-            acc = torch.zeros(len(p), dtype=torch.complex128)
-            out[start : start + chunk] = acc.index_add_(0, row, torch.from_numpy(rows.data) * ratio)
-        return out

@@ -17,6 +17,8 @@ preconditions the gradient with the quantum geometric tensor in its sample-space
 With ``estimator="exact-sum"`` (the default ``"auto"`` picks it whenever the sector fast path applies) the samples
 are replaced by the most probable configurations of the whole sector with their exact probabilities as w_k, and E
 by <psi|H|psi>/<psi|psi> over the whole sector (``exact_sum.py``): the same formulas, with no sampling noise.
+Past the sector fast path ``"auto"`` takes ``"selected-sum"``: the same exact sum over the space S of every
+configuration the sampler has drawn (``selected_space.py``), the energy of psi restricted to S.
 """
 
 from __future__ import annotations
@@ -30,16 +32,17 @@ from torch import Tensor
 
 from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.nnqs.hamiltonian import Hamiltonian
-from seqlab.nnqs.exact_sum import exact_sum, sector_log_psi
+from seqlab.nnqs.exact_sum import exact_sum, sector_log_psi, subspace_sum
 from seqlab.nnqs.local_energy import MODES, PsiTable, SectorHamiltonian, local_energy
 from seqlab.nnqs.sampler import SamplerConfig, sample, tree_log_prob
+from seqlab.nnqs.selected_space import SelectedSpace
 from seqlab.nnqs.space import keys_to_tokens, n_configurations, tokens_to_bits, tokens_to_keys
 from seqlab.nnqs.sr import sr_direction
 from seqlab.runtime.dist import DistInfo, all_reduce_sum
 from seqlab.runtime.schedule import warmup_cosine
 
 HARTREE_TO_MHA = 1000.0
-ESTIMATORS = ("auto", "exact-sum", "sampled")
+ESTIMATORS = ("auto", "exact-sum", "selected-sum", "sampled")
 
 
 @dataclass
@@ -62,12 +65,15 @@ class VMCConfig:
     # whole sector (prefix tree on the KV cache), and memory of about 12 bytes x N_conf x (singles + doubles).
     sector_max: int = 200_000
     # how E and its gradient are estimated: "exact-sum" sums over the whole sector with exact probabilities (needs
-    # the sector fast path; no sampling noise, no collapse onto HF), "sampled" draws N_s samples, "auto" takes
-    # exact-sum whenever the sector fast path applies
+    # the sector fast path; no sampling noise, no collapse onto HF), "selected-sum" sums exactly over every
+    # configuration sampled so far (N_s samples a step join the space), "sampled" draws N_s samples, "auto" takes
+    # exact-sum whenever the sector fast path applies and selected-sum past it
     estimator: str = "auto"
     # exact-sum: the gradient is summed over the most probable configurations holding all but this mass ...
     exact_tail: float = 1e-8
     exact_max_configs: int = 16384  # ... and at most this many (bounds the backward's cost)
+    # selected-sum: a configuration leaves the selected space when its probability (over the space) falls below this
+    selected_min_prob: float = 1e-9
     # sampled: past this many unique samples the gradient is re-evaluated in chunks of this size (memory of one
     # chunk's activations, ~0.1 MB per configuration; all of a 1.7 M sector's samples at once would need ~20 GB)
     grad_chunk: int = 16384
@@ -95,8 +101,11 @@ class VMCConfig:
             raise ValueError(f"VMCConfig.local_energy: {self.local_energy!r} not in {MODES}")
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"VMCConfig.estimator: {self.estimator!r} not in {ESTIMATORS}")
-        if self.estimator == "exact-sum" and self.local_energy != "exact":
-            raise ValueError("VMCConfig.estimator: 'exact-sum' needs local_energy='exact' (it sums H psi exactly)")
+        if self.estimator in ("exact-sum", "selected-sum") and self.local_energy != "exact":
+            raise ValueError(f"VMCConfig.estimator: {self.estimator!r} needs local_energy='exact' (it sums H psi "
+                             "exactly)")
+        if not 0 <= self.selected_min_prob < 1:
+            raise ValueError(f"VMCConfig.selected_min_prob: must be in [0, 1), got {self.selected_min_prob}")
         if not 0 <= self.exact_tail < 1:
             raise ValueError(f"VMCConfig.exact_tail: must be in [0, 1), got {self.exact_tail}")
         if self.exact_max_configs < 1:
@@ -145,6 +154,7 @@ class StepStats:
     t_backward: float
     temperature: float = 0.0
     tail_mass: float = 0.0  # exact sum: probability left out of the gradient set (0 when sampled)
+    n_selected: int = 0  # selected sum: configurations in the selected space this step
 
 
 def step_generators(seed: int, step: int, rank: int) -> tuple[torch.Generator, torch.Generator]:
@@ -169,8 +179,10 @@ def make_evaluator(wf: Wavefunction, batch: int = 65536):
 
 
 def build_sector(ham: Hamiltonian, cfg: VMCConfig, dist: DistInfo) -> SectorHamiltonian | None:
-    """H over the whole sector when exact local energies may take the sector fast path (see ``sector_max``)."""
-    if cfg.local_energy != "exact" or n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta) > cfg.sector_max:
+    """H over the whole sector when exact local energies may take the sector fast path (see ``sector_max``); the
+    selected sum never reads it."""
+    if (cfg.local_energy != "exact" or cfg.estimator == "selected-sum"
+            or n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta) > cfg.sector_max):
         return None
     return SectorHamiltonian(ham, progress=dist.is_main)
 
@@ -180,19 +192,42 @@ def uses_exact_sum(cfg: VMCConfig, sector: SectorHamiltonian | None) -> bool:
     if cfg.estimator == "exact-sum" and sector is None:
         raise ValueError(f"VMCConfig.estimator: 'exact-sum' needs the sector fast path (a sector of at most "
                          f"sector_max = {cfg.sector_max} configurations); use 'sampled' or 'auto'")
-    return sector is not None and cfg.estimator != "sampled"
+    return sector is not None and cfg.estimator in ("auto", "exact-sum")
+
+
+def build_selected(ham: Hamiltonian, cfg: VMCConfig, sector: SectorHamiltonian | None) -> SelectedSpace | None:
+    """An empty selected space when steps take the selected-sum estimator: asked for, or ``auto`` past the sector fast
+    path (``sector_max`` > 0: a disabled fast path keeps the per-sample path, for comparisons)."""
+    if cfg.estimator == "selected-sum" or (cfg.estimator == "auto" and sector is None and cfg.sector_max > 0
+                                           and cfg.local_energy == "exact"):
+        return SelectedSpace(ham)
+    return None
 
 
 def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg: VMCConfig, step: int,
-             dist: DistInfo, t0: float = 0.0, sector: SectorHamiltonian | None = None) -> StepStats:
+             dist: DistInfo, t0: float = 0.0, sector: SectorHamiltonian | None = None,
+             selected: SelectedSpace | None = None) -> StepStats:
     """One optimizer step; ``t0`` is the initial annealing temperature (see ``initial_temperature``).
 
     With ``sector`` (from ``build_sector``) exact local energies take the sector fast path (the same values), and
-    the estimator is the exact sum unless ``cfg.estimator`` is "sampled".
+    the estimator is the exact sum unless ``cfg.estimator`` is "sampled". With ``selected`` (from ``build_selected``)
+    the step draws N_s samples into that space and sums exactly over it.
     """
     t_0 = time.perf_counter()
-    tail = 0.0
-    if uses_exact_sum(cfg, sector):
+    tail, n_selected = 0.0, 0
+    if selected is not None:
+        shared, _ = step_generators(cfg.seed, step, 0)
+        s = sample(wf, samples_at(cfg, step), shared, cfg.sampler)  # every rank draws the same tree: the same S
+        selected.add(tokens_to_keys(s.tokens))
+        t1 = time.perf_counter()
+        ex = subspace_sum(make_evaluator(wf)(selected.keys), selected.hamiltonian(), cfg.exact_tail,
+                          cfg.exact_max_configs, dist.rank, dist.world_size)
+        n_selected = len(ex.probabilities)
+        selected.keep(ex.probabilities >= cfg.selected_min_prob)  # for the next step; this one sums over all
+        tokens, w, eloc, tail = ex.tokens, ex.weights, ex.eloc, ex.tail_mass
+        (e_re, e_im), var, n_unique, sigma = (ex.energy.real, ex.energy.imag), ex.variance, ex.n_kept, 0.0
+        logp, phase = wf(tokens) if len(tokens) else (torch.zeros(0), torch.zeros(0))
+    elif uses_exact_sum(cfg, sector):
         ex = exact_sum(wf, sector, cfg.exact_tail, cfg.exact_max_configs, dist.rank, dist.world_size)
         tokens, w, eloc, tail = ex.tokens, ex.weights, ex.eloc, ex.tail_mass
         (e_re, e_im), var, n_unique, sigma = (ex.energy.real, ex.energy.imag), ex.variance, ex.n_kept, 0.0
@@ -243,7 +278,7 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
     opt.step()
     t3 = time.perf_counter()
     return StepStats(step, e_re, e_im, sigma, var, int(n_unique), lr, t1 - t_0, t2 - t1, t3 - t2,
-                     temperature_at(cfg, step, t0), tail)
+                     temperature_at(cfg, step, t0), tail, n_selected)
 
 
 def backward_surrogate(wf: Wavefunction, tokens: Tensor, logp: Tensor, phase: Tensor, c_logp: Tensor,

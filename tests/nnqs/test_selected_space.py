@@ -1,0 +1,121 @@
+"""The selected space: H among the sampled configurations, built incrementally, and the selected-sum estimator."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
+from seqlab.nnqs.driver import run_vmc
+from seqlab.nnqs.exact_sum import subspace_sum
+from seqlab.nnqs.local_energy import SectorHamiltonian
+from seqlab.nnqs.selected_space import SelectedSpace
+from seqlab.nnqs.space import all_configurations, tokens_to_keys
+from seqlab.nnqs.vmc import VMCConfig, build_selected, make_evaluator, vmc_step
+from seqlab.nnqs.warm_start import WarmStartConfig, target_state
+from seqlab.runtime.dist import DistInfo
+
+TINY = AnsatzConfig(d_model=16, n_layers=1, n_heads=2, phase_hidden=16, phase_layers=1)
+
+
+def _dense_block(ham, keys: torch.Tensor) -> np.ndarray:
+    """H among ``keys``: the block of the whole sector's dense matrix (the independent Slater-Condon path)."""
+    sector = tokens_to_keys(all_configurations(ham.n_orb, ham.n_alpha, ham.n_beta))
+    at = torch.searchsorted(sector, keys).numpy()
+    return ham.dense(sector)[np.ix_(at, at)]
+
+
+def test_grown_in_pieces_and_pruned_it_equals_the_dense_block(system):
+    """Three additions (with repeats and members among them) and one removal give exactly H restricted to S."""
+    ham = system("h2o").hamiltonian
+    keys = tokens_to_keys(all_configurations(ham.n_orb, ham.n_alpha, ham.n_beta))
+    gen = torch.Generator().manual_seed(0)
+    pick = keys[torch.randperm(len(keys), generator=gen)[:200]]
+    space = SelectedSpace(ham, max_elements=4096)  # several chunks per addition
+    assert space.add(pick[:50]) == 50
+    assert space.add(torch.cat((pick[30:120], pick[30:40]))) == 70  # 20 members and 10 repeats ignored
+    assert space.add(pick[120:]) == 80
+    assert torch.equal(space.keys, torch.sort(pick).values)
+    dense = _dense_block(ham, space.keys)
+    np.testing.assert_allclose(space.hamiltonian().matrix.toarray(), dense, atol=1e-12)
+    drop = torch.isin(space.keys, pick[::3])
+    assert space.keep(~drop) == int(drop.sum())
+    np.testing.assert_allclose(space.hamiltonian().matrix.toarray(), _dense_block(ham, space.keys), atol=1e-12)
+    assert torch.equal(space.hamiltonian().tokens, all_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)[
+        torch.isin(keys, space.keys)])
+
+
+def test_selected_sum_over_the_whole_sector_is_the_exact_sum(system):
+    """With every configuration selected, the selected sum is the exact sum (the same energy and local energies)."""
+    ham = system("h2o").hamiltonian
+    sector = SectorHamiltonian(ham, progress=False)
+    space = SelectedSpace(ham)
+    space.add(sector.keys.flip(0))
+    torch.manual_seed(2)
+    wf = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta)
+    log_psi = make_evaluator(wf)(space.keys)
+    a = subspace_sum(log_psi, space.hamiltonian(), 1e-6, 10**6)
+    b = subspace_sum(log_psi, sector, 1e-6, 10**6)
+    assert abs(a.energy - b.energy) < 1e-11 and torch.equal(a.tokens, b.tokens)
+    assert (a.eloc - b.eloc).abs().max() < 1e-10
+
+
+def test_selected_energy_is_the_rayleigh_quotient_of_the_truncated_state(system):
+    """Over a part S of the sector: E = psi_S^T H_SS psi_S / |psi_S|^2 (dense), above the sector's lowest energy."""
+    ham = system("h2o").hamiltonian
+    sector = SectorHamiltonian(ham, progress=False)
+    torch.manual_seed(3)
+    wf = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta)
+    space = SelectedSpace(ham)
+    space.add(sector.keys[::2])
+    log_psi = make_evaluator(wf)(space.keys)
+    ex = subspace_sum(log_psi, space.hamiltonian(), 0.0, 10**6)
+    psi = torch.exp(log_psi).numpy()
+    h = _dense_block(ham, space.keys)
+    rayleigh = (psi.conj() @ h @ psi / (np.abs(psi) ** 2).sum()).real
+    assert abs(ex.energy.real - rayleigh) < 1e-10
+    assert ex.energy.real > np.linalg.eigvalsh(ham.dense(sector.keys))[0]
+    assert abs(float(ex.probabilities.sum()) - 1.0) < 1e-12 and len(ex.probabilities) == len(space)
+
+
+def test_a_selected_step_that_samples_the_whole_sector_is_the_exact_sum_step(system):
+    """N_s = 1e12 draws every configuration of LiH's 225 a random start weighs: the selected-sum step then takes
+    the exact-sum step (the same energy and the same parameters after it)."""
+    ham = system("lih").hamiltonian
+    sector = SectorHamiltonian(ham, progress=False)
+    steps = {}
+    for name in ("exact-sum", "selected-sum"):
+        torch.manual_seed(4)
+        wf = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta, TINY)
+        cfg = VMCConfig(steps=1, samples=10**12, warmup=0, grad_clip=None, anneal=0.0, estimator=name)
+        space = build_selected(ham, cfg, None)
+        opt = torch.optim.SGD(wf.parameters(), lr=1e-3)
+        st = vmc_step(wf, ham, opt, cfg, 0, DistInfo(), sector=None if space else sector, selected=space)
+        steps[name] = st, torch.cat([p.detach().flatten() for p in wf.parameters()])
+        if space is not None:
+            assert len(space) == len(sector) and st.n_selected == len(sector)
+    (a, pa), (b, pb) = steps["exact-sum"], steps["selected-sum"]
+    assert abs(a.energy - b.energy) < 1e-10 and a.n_unique == b.n_unique
+    assert (pa - pb).abs().max() < 1e-6
+
+
+def test_auto_takes_the_selected_sum_past_the_sector_fast_path(system):
+    """LiH with ``sector_max`` below its 225 configurations: ``auto`` sums over the sampled space; the final
+    evaluation samples N_s (not 100 N_s) and reports that space's energy, above FCI; with the fast path disabled (0)
+    it samples as before."""
+    s = system("lih")
+    res = run_vmc(s.hamiltonian, VMCConfig(steps=3, samples=10**4, sector_max=100, eval_exact_max=100, seed=1), TINY)
+    assert res.estimator == "selected-sum" and all(r["n_selected"] > 0 for r in res.records)
+    assert res.final["selected_energy"] > s.references.e_fci and 0 < res.final["selected_size"] <= 225
+    assert res.final["final_eval"] == "sampled" and res.final["final_eval_samples"] == 10**4
+    assert run_vmc(s.hamiltonian, VMCConfig(steps=1, sector_max=0, seed=1), TINY).estimator == "sampled"
+
+
+def test_the_space_starts_with_the_warm_start_support(system):
+    """After a warm start the first step already sums over the fitted state's configurations, sampled or not."""
+    s = system("lih")
+    ham = s.hamiltonian
+    target = target_state("ccsd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
+    res = run_vmc(ham, VMCConfig(steps=1, samples=10, estimator="selected-sum", seed=1), TINY, warm_start=target,
+                  warm_start_cfg=WarmStartConfig(steps=5))
+    assert len(target.keys) > 10 and res.records[0]["n_selected"] >= len(target.keys)
