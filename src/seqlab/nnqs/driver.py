@@ -104,10 +104,11 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     if t0 is None:
         t0 = initial_temperature(wf, ham, cfg, dist)
     sector = build_sector(ham, cfg, dist)
-    selected = None if uses_exact_sum(cfg, sector) else build_selected(ham, cfg, sector)
+    exact = uses_exact_sum(cfg, sector)
+    selected = None if exact else build_selected(ham, cfg, sector)
     if selected is not None and warm_start is not None:  # the fitted state's support: S holds it from step 0
         selected.add(warm_start.keys)
-    estimator = "exact-sum" if uses_exact_sum(cfg, sector) else "selected-sum" if selected is not None else "sampled"
+    estimator = "exact-sum" if exact else "selected-sum" if selected is not None else "sampled"
     guard.active = estimator != "sampled" and cfg.anneal == 0  # only an exact, unannealed energy can be judged
     log = Logbook(out / LOG if out is not None else Path(LOG), resume_step=start_step - 1 if start_step else None,
                   tensorboard_dir=tensorboard, enabled=out is not None and dist.is_main)

@@ -38,7 +38,7 @@ from torch import Tensor
 
 from seqlab import runtime
 from seqlab.nnqs.hamiltonian import Hamiltonian
-from seqlab.nnqs.space import all_configurations, tokens_to_keys
+from seqlab.nnqs.space import all_configurations, find_keys, tokens_to_keys
 
 MODES = ("exact", "sample-space")
 
@@ -57,10 +57,9 @@ class PsiTable:
 
     def lookup(self, keys: Tensor) -> tuple[Tensor, Tensor]:
         """(found [M] bool, values [M] complex128; zero where not found)."""
+        idx, found = find_keys(self.keys, keys)
         if len(self.keys) == 0:
-            return torch.zeros(len(keys), dtype=torch.bool), torch.zeros(len(keys), dtype=torch.complex128)
-        idx = torch.searchsorted(self.keys, keys).clamp_max(len(self.keys) - 1)
-        found = self.keys[idx] == keys
+            return found, torch.zeros(len(keys), dtype=torch.complex128)
         return found, torch.where(found, self.values[idx], torch.zeros((), dtype=torch.complex128))
 
     def add(self, keys: Tensor, values: Tensor) -> None:
@@ -132,8 +131,7 @@ class SubspaceHamiltonian:
 
     def find(self, keys: Tensor) -> tuple[Tensor, Tensor]:
         """(positions [M] in ``keys``, found [M] bool) of configuration keys."""
-        pos = torch.searchsorted(self.keys, keys).clamp_max(len(self.keys) - 1)
-        return pos, self.keys[pos] == keys
+        return find_keys(self.keys, keys)
 
     def local_energy(self, keys: Tensor, log_psi: Tensor, max_elements: int = 1 << 21) -> Tensor:
         """E_loc [B] complex128 at ``keys`` [B], from ``log_psi`` [D] on every configuration of this space.

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from seqlab.nnqs.hamiltonian import Hamiltonian
 from seqlab.nnqs.local_energy import SubspaceHamiltonian
-from seqlab.nnqs.space import keys_to_tokens
+from seqlab.nnqs.space import find_keys, keys_to_tokens
 
 
 class SelectedSpace:
@@ -41,10 +41,7 @@ class SelectedSpace:
 
     def contains(self, keys: Tensor) -> Tensor:
         """[M] bool: which of ``keys`` are in S."""
-        if not len(self.keys):
-            return torch.zeros(len(keys), dtype=torch.bool)
-        pos = torch.searchsorted(self.keys, keys).clamp_max(len(self.keys) - 1)
-        return self.keys[pos] == keys
+        return find_keys(self.keys, keys)[1]
 
     def add(self, keys: Tensor) -> int:
         """Add configurations (repeats and members are ignored); returns how many joined."""
@@ -61,12 +58,10 @@ class SelectedSpace:
             c = self.ham.connected(x)
             parts.append((x, x, c.diagonal.to(torch.float64)))
             src, dst, h = x[c.row], c.keys, c.elements.to(torch.float64)
-            pos = torch.searchsorted(joined, dst).clamp_max(len(joined) - 1)
-            inside = joined[pos] == dst
+            inside = find_keys(joined, dst)[1]
             src, dst, h = src[inside], dst[inside], h[inside]
             parts.append((src, dst, h))  # the new row (both ends new: the other end's row adds the transpose)
-            pos_old = torch.searchsorted(old, dst).clamp_max(max(len(old) - 1, 0))
-            to_old = old[pos_old] == dst if len(old) else torch.zeros(len(dst), dtype=torch.bool)
+            to_old = find_keys(old, dst)[1]
             parts.append((dst[to_old], src[to_old], h[to_old]))  # the new column of the rows already in S
         self.keys = joined
         self.rows, self.cols, self.values = (torch.cat(t) for t in zip(*parts))
@@ -95,8 +90,3 @@ class SelectedSpace:
             matrix.sum_duplicates()
             self._matrix = SubspaceHamiltonian(self.keys, keys_to_tokens(self.keys, self.ham.n_orb), matrix)
         return self._matrix
-
-    @property
-    def n_elements(self) -> int:
-        """Elements of H stored (24 bytes each)."""
-        return len(self.values)

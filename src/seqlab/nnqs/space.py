@@ -54,6 +54,14 @@ def keys_to_tokens(keys: Tensor, n_orb: int) -> Tensor:
     return (keys[:, None] >> shifts) & 3
 
 
+def find_keys(sorted_keys: Tensor, keys: Tensor) -> tuple[Tensor, Tensor]:
+    """(positions [M] in ``sorted_keys``, found [M] bool) of ``keys``; positions are valid indices where found."""
+    if not len(sorted_keys):
+        return torch.zeros(len(keys), dtype=torch.int64), torch.zeros(len(keys), dtype=torch.bool)
+    pos = torch.searchsorted(sorted_keys, keys).clamp_max(len(sorted_keys) - 1)
+    return pos, sorted_keys[pos] == keys
+
+
 def keys_to_bits(keys: Tensor, n_so: int) -> Tensor:
     shifts = torch.arange(n_so, dtype=torch.int64, device=keys.device)
     return ((keys[:, None] >> shifts) & 1).bool()

@@ -198,8 +198,9 @@ def fit(wf: Wavefunction, target: TargetState, cfg: WarmStartConfig, progress: b
             cross_entropy, phase_loss = ce.item(), pl.item()
             bar.update(1)
     return {"method": target.method, "n_configs": len(target.keys), "steps": cfg.steps,
-            "phase_weight": cfg.phase_weight, "cross_entropy": cross_entropy, "phase_loss": phase_loss, "overlap": overlap(wf, target),
-            "target_energy": target.energy, "target_variational_energy": target.variational_energy}
+            "phase_weight": cfg.phase_weight, "cross_entropy": cross_entropy, "phase_loss": phase_loss,
+            "overlap": overlap(wf, target), "target_energy": target.energy,
+            "target_variational_energy": target.variational_energy}
 
 
 @torch.no_grad()
