@@ -178,10 +178,13 @@ class _Crash(Exception):
     pass
 
 
-def test_resume_after_crash_matches_uninterrupted_run(tmp_path, system):
-    """Kill a run after step 3 (checkpoint at 3), resume it: the energies equal an uninterrupted run's, bit for bit."""
-    ham = system("h2").hamiltonian
-    cfg = VMCConfig(steps=6, checkpoint_every=3)
+@pytest.mark.parametrize("molecule, estimator", [("h2", "auto"), ("lih", "selected-sum")])
+def test_resume_after_crash_matches_uninterrupted_run(tmp_path, system, molecule, estimator):
+    """Kill a run after step 3 (checkpoint at 3), resume it: the energies equal an uninterrupted run's, bit for bit.
+    The selected sum's space, grown by small samples and pruned at 1e-4, comes back from the checkpoint too."""
+    ham = system(molecule).hamiltonian
+    cfg = VMCConfig(steps=6, checkpoint_every=3, estimator=estimator,
+                    **({"samples": 300, "selected_min_prob": 1e-4} if estimator == "selected-sum" else {}))
     full = run_vmc(ham, cfg, out=tmp_path / "a")
 
     def crash(st):

@@ -77,16 +77,19 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     opt = build_optimizer(wf, cfg)
     store = checkpoint_store(out, cfg.keep_last) if out is not None else None
     guard = StepGuard(cfg.rollback_tol_mha, cfg.rollback_after)  # switched off below for sampled runs
-    start_step, t0, checkpoint = 0, None, None
+    start_step, t0, checkpoint, restored = 0, None, None, False
     if store is not None:
         check_new_run(out, resume)
         barrier(dist)  # every rank has looked at ``out`` before the main rank writes into it
         if dist.is_main:
             clean_stale(out)
         checkpoint = store.latest() if resume else None
-        if checkpoint is not None:
-            start_step, t0 = load_checkpoint(store, checkpoint, wf, opt, guard, ham)
     t_start = time.perf_counter()
+    sector = build_sector(ham, cfg, dist)
+    exact = uses_exact_sum(cfg, sector)
+    selected = None if exact else build_selected(ham, cfg, sector)  # before the checkpoint, which may restore it
+    if checkpoint is not None:
+        start_step, t0, restored = load_checkpoint(store, checkpoint, wf, opt, guard, ham, selected)
     warm = None
     if warm_start is not None and checkpoint is None:  # same seed, same data: every rank fits the same parameters
         t_fit = time.perf_counter()
@@ -103,10 +106,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
         warm["time_s"] = time.perf_counter() - t_fit
     if t0 is None:
         t0 = initial_temperature(wf, ham, cfg, dist)
-    sector = build_sector(ham, cfg, dist)
-    exact = uses_exact_sum(cfg, sector)
-    selected = None if exact else build_selected(ham, cfg, sector)
-    if selected is not None and warm_start is not None:  # the fitted state's support: S holds it from step 0
+    if selected is not None and warm_start is not None and not restored:  # S holds the fitted support from step 0
         selected.add(warm_start.keys)
     estimator = "exact-sum" if exact else "selected-sum" if selected is not None else "sampled"
     guard.active = estimator != "sampled" and cfg.anneal == 0  # only an exact, unannealed energy can be judged
@@ -134,7 +134,8 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
             stopping = stop is not None and any_rank(stop.requested, dist)  # every rank leaves at the same step
             if store is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping):
                 if dist.is_main:
-                    checkpoint = save_checkpoint(store, wf, opt, done, t0, vmc_state, guard, ham)
+                    checkpoint = save_checkpoint(store, wf, opt, done, t0, vmc_state, guard, ham,
+                                                 selected)
             if stopping:
                 stopped_at = done
                 break

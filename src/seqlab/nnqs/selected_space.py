@@ -78,6 +78,19 @@ class SelectedSpace:
             self._matrix = None
         return gone
 
+    def state(self) -> dict[str, Tensor]:
+        """The space and its elements as tensors, for a checkpoint: a resumed run sums over the same S (rebuilding
+        it from the warm-start support would let the first resumed steps see another space)."""
+        return {"keys": self.keys, "rows": self.rows, "cols": self.cols, "values": self.values}
+
+    def load_state(self, tensors: dict[str, Tensor]) -> None:
+        """Restore what ``state`` returned (a checkpoint's tensors are sha256-verified before they get here)."""
+        keys, rows, cols, values = (tensors[name] for name in ("keys", "rows", "cols", "values"))
+        if not (len(rows) == len(cols) == len(values)) or bool((keys[1:] <= keys[:-1]).any()):
+            raise ValueError("SelectedSpace.load_state: keys not strictly sorted or element arrays of unequal length")
+        self.keys, self.rows, self.cols, self.values = (t.clone() for t in (keys, rows, cols, values))
+        self._matrix = None
+
     def hamiltonian(self) -> SubspaceHamiltonian:
         """H over S as a ``SubspaceHamiltonian`` (CSR by position in ``keys``), rebuilt only after S changed."""
         if self._matrix is None:
