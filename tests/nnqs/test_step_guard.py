@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
+from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.nnqs.driver import run_vmc
+from seqlab.nnqs.step_guard import StepGuard
 from seqlab.nnqs.vmc import VMCConfig
 
 # lr 0.05 without annealing from a random start overshoots; a tolerance of 1e-6 mHa makes every rise a rollback
@@ -46,6 +49,20 @@ def test_a_resumed_run_takes_the_same_rollbacks(system, tmp_path):
     resumed = run_vmc(ham, VMCConfig(**JUMPY), out=tmp_path / "b", resume=True)
     assert [r["energy"] for r in resumed.records] == [r["energy"] for r in full.records]
     assert resumed.rollbacks == full.rollbacks
+
+
+def test_the_restored_state_measured_higher_on_a_grown_space_becomes_the_reference():
+    """The selected sum's space grows between steps, so the best state measured again after a rollback can lie above
+    the old best by more than tol: that measurement is the new reference, not a reason to roll back forever."""
+    wf = Wavefunction(4, 2, 2)
+    opt = torch.optim.AdamW(wf.parameters(), lr=1e-3)
+    guard = StepGuard(tol_mha=1.0, after=0)
+    ha = 1e-3  # 1 mHa
+    for step, energy, rolled_back in ((0, -1.0, False), (1, -1.0 + 5 * ha, True), (2, -1.0 + 3 * ha, False),
+                                      (3, -1.0 + 3.5 * ha, False), (4, -1.0 + 4.5 * ha, True)):
+        guard.before_step(step, wf, opt)
+        assert guard.after_step(step, energy, wf, opt) is rolled_back, step
+    assert guard.rollbacks == [1, 4] and guard.best_step == 2 and guard.best_energy == -1.0 + 3 * ha
 
 
 def test_the_guard_stays_off_for_sampled_or_annealed_runs(system):

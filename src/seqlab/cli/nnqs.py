@@ -126,8 +126,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"(default {WARM_START.anneal:g} after a warm start, {RANDOM_START.anneal:g} with --warm-start "
                         "none)")
     p.add_argument("--rollback-tol", type=float, default=VMCConfig.rollback_tol_mha, metavar="MHA",
-                   help="exact-sum runs: from step --rollback-after on, a step whose energy lies this many mHa above "
-                        "the best seen restores the best state and halves the learning rate; 0 disables "
+                   help="exact- and selected-sum runs: from step --rollback-after on, a step whose energy lies "
+                        "this many mHa above the best seen restores the best state and halves the learning rate; "
+                        "0 disables "
                         f"(default {VMCConfig.rollback_tol_mha:g})")
     p.add_argument("--rollback-after", type=int, default=VMCConfig.rollback_after, metavar="STEP",
                    help=f"first step the rollback rule watches (default {VMCConfig.rollback_after})")

@@ -90,9 +90,10 @@ class VMCConfig:
     eval_samples: int | None = None  # otherwise samples this many (default 100 * samples)
     checkpoint_every: int = 100
     keep_last: int = 2  # checkpoints kept (the newest); 0 keeps all
-    # step guard (exact-sum runs without annealing): from step ``rollback_after`` on, a step whose energy lies more
-    # than ``rollback_tol_mha`` above the best seen restores the best state and halves the rate (step_guard.py);
-    # the first steps after a warm start rise by 10 mHa or more by design, hence the late start. 0 disables it.
+    # step guard (exact- and selected-sum runs without annealing): from step ``rollback_after`` on, a step whose
+    # energy lies more than ``rollback_tol_mha`` above the best seen restores the best state and halves the rate
+    # (step_guard.py); the first steps after a warm start rise by 10 mHa or more by design, hence the late start.
+    # 0 disables it.
     rollback_tol_mha: float = 10.0
     rollback_after: int = 200
 
