@@ -88,7 +88,7 @@ def test_a_selected_step_that_samples_the_whole_sector_is_the_exact_sum_step(sys
         torch.manual_seed(4)
         wf = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta, TINY)
         cfg = VMCConfig(steps=1, samples=10**12, warmup=0, grad_clip=None, anneal=0.0, estimator=name)
-        space = build_selected(ham, cfg, None)
+        space = build_selected(ham, cfg)
         opt = torch.optim.SGD(wf.parameters(), lr=1e-3)
         st = vmc_step(wf, ham, opt, cfg, 0, DistInfo(), sector=None if space else sector, selected=space)
         steps[name] = st, torch.cat([p.detach().flatten() for p in wf.parameters()])

@@ -41,6 +41,7 @@ def test_vmc_h2_reaches_chemical_accuracy_and_writes_result(tmp_path, capsys):
     # the defaults: a CCSD warm start (exact for two electrons) and the exact sum over the sector
     assert r["estimator"] == "exact-sum" and r["warm_start"]["method"] == "ccsd+pt" and r["anneal"] == 0.0
     assert (r["lr"], r["beta2"], r["phase_lr_scale"]) == (2e-3, 0.999, 10.0)
+    assert (r["rollback_tol_mha"], r["rollback_after"]) == (10.0, 200)
     assert abs(r["error_mha"]) < CHEMICAL_ACCURACY_MHA
     assert r["energy"] >= r["e_fci"] - 1e-9  # an exact expectation value is variational
     lines = (tmp_path / "energies.jsonl").read_text().splitlines()
@@ -53,6 +54,20 @@ def test_vmc_h2_reaches_chemical_accuracy_and_writes_result(tmp_path, capsys):
     table = capsys.readouterr().out
     for name in ("HF", "CCSD", "CCSD(T)", "FCI", "NNQS", "wall time"):
         assert name in table
+
+
+def test_cli_takes_the_selected_sum_recipe_where_the_steps_take_the_selected_sum(tmp_path):
+    """--estimator selected-sum (what auto takes past the sector fast path) brings its own defaults: the recipe that
+    keeps the fitted state, its run length and the larger fit; explicit flags still win."""
+    argv = ["--molecule", "lih", "--estimator", "selected-sum", "--samples", "1000", "--warm-start-steps", "20",
+            "--quiet", "--no-cc", "--seed", "0"]
+    assert _cli([*argv, "--steps", "2", "--out", str(tmp_path / "a")]) == 0
+    r = json.loads((tmp_path / "a" / "result.json").read_text())
+    assert r["estimator"] == "selected-sum"
+    assert (r["lr"], r["phase_lr_scale"], r["rollback_tol_mha"], r["rollback_after"]) == (1e-3, 1.0, 2.0, 0)
+    assert _cli([*argv, "--steps", "2", "--lr", "5e-4", "--rollback-after", "7", "--out", str(tmp_path / "b")]) == 0
+    r = json.loads((tmp_path / "b" / "result.json").read_text())
+    assert (r["lr"], r["rollback_after"]) == (5e-4, 7)
 
 
 def test_cli_reads_an_xyz_file_in_bohr_and_mirrors_to_tensorboard(tmp_path, system):

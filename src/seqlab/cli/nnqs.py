@@ -15,12 +15,13 @@ from pathlib import Path
 from seqlab.nnqs.ansatz import AnsatzConfig
 from seqlab.nnqs.driver import RunResult, run_vmc
 from seqlab.nnqs.molecules import UNITS, get_molecule
-from seqlab.nnqs.recipe import (EXACT_SUM_SAMPLES, RANDOM_START, SAMPLED_SAMPLES, SELECTED_SAMPLES, WARM_START,
-                                 Recipe, default_samples, default_steps, recipe_for)
+from seqlab.nnqs.recipe import (EXACT_SUM_SAMPLES, RANDOM_START, SAMPLED_SAMPLES, SELECTED_SAMPLES, SELECTED_SUM,
+                                 SELECTED_SUM_FIT_CONFIGS, SELECTED_SUM_STEPS, WARM_START, Recipe, default_samples,
+                                 default_steps, recipe_for)
 from seqlab.nnqs.references import prepare
 from seqlab.nnqs.sampler import SamplerConfig
 from seqlab.nnqs.space import n_configurations
-from seqlab.nnqs.vmc import ESTIMATORS, HARTREE_TO_MHA, VMCConfig
+from seqlab.nnqs.vmc import ESTIMATORS, HARTREE_TO_MHA, VMCConfig, takes_selected_sum
 from seqlab.nnqs.vmc_checkpoint import check_new_run, checkpointed_steps, existing_run
 from seqlab.nnqs.warm_start import (MAX_FIT_CONFIGS, METHODS as WARM_START_METHODS, PHASE_WEIGHTS, WarmStartConfig,
                                     target_state)
@@ -37,8 +38,8 @@ Expected run time with the defaults (CCSD warm start, a valence CASCI where CCSD
   0.40-0.58 mHa, 3 seeds). n2 (20 spin orbitals, 14400 determinants): 2500 steps, ~20 min of CPU (10-11 min
   on 2 cores), 0.13-0.72 mHa (3 seeds, Intel Xeon). c2 (44100 determinants): 25-42 min on 2 cores, 0.40-1.11 mHa
   (3 seeds each on an Intel Xeon and an AMD EPYC).
-  h2o --basis 6-31g (1.7 M determinants: the selected sum): --warm-start-max-configs 8192 --steps 1500 ended at
-  2.7-2.8 mHa after ~63 min on 2 cores (not yet chemical accuracy).
+  h2o --basis 6-31g (1.7 M determinants: the selected sum and its recipe): 2.3-2.4 mHa after 73 min on 2 cores
+  (not yet chemical accuracy).
   --warm-start none: the earlier random-start recipe with entropy annealing.
 Examples:
   seqlab nnqs --molecule h2o
@@ -67,7 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--spin", type=int, default=None, help="2S = N_alpha - N_beta (default 0)")
     p.add_argument("--steps", type=int, default=None,
                    help="VMC optimizer steps (default by the sector's size: 400 below 1000 determinants, 1000 below "
-                        "10000, 2500 from there)")
+                        f"10000, 2500 from there; {SELECTED_SUM_STEPS} with the selected sum)")
     p.add_argument("--samples", type=float, default=None,
                    help=f"samples per step N_s (default {EXACT_SUM_SAMPLES:.0e} where the sector fast path holds the "
                         f"sector; past it {SELECTED_SAMPLES:.0e} for the selected sum, {SAMPLED_SAMPLES} with "
@@ -90,7 +91,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"{VMCConfig.exact_max_configs})")
     p.add_argument("--lr", type=float, default=None,
                    help=f"peak AdamW learning rate, then cosine decay (default {WARM_START.lr:g} after a warm start, "
-                        f"{RANDOM_START.lr:g} from a random start; see seqlab.nnqs.recipe)")
+                        f"{SELECTED_SUM.lr:g} after one with the selected sum, {RANDOM_START.lr:g} from a random "
+                        "start; see seqlab.nnqs.recipe)")
     p.add_argument("--warmup", type=int, default=None,
                    help=f"linear warmup steps, >= 0 (default {WARM_START.warmup} / {RANDOM_START.warmup})")
     p.add_argument("--min-lr-ratio", type=float, default=None,
@@ -98,7 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"{RANDOM_START.min_lr_ratio:g})")
     p.add_argument("--phase-lr-scale", type=float, default=None,
                    help=f"learning rate of the phase MLP relative to --lr, > 0 (default {WARM_START.phase_lr_scale:g} "
-                        f"/ {RANDOM_START.phase_lr_scale:g})")
+                        f"/ {RANDOM_START.phase_lr_scale:g}; {SELECTED_SUM.phase_lr_scale:g} with the selected sum)")
     p.add_argument("--beta2", type=float, default=None,
                    help=f"Adam's second-moment decay, in (0, 1) (default {WARM_START.beta2:g} / "
                         f"{RANDOM_START.beta2:g})")
@@ -112,10 +114,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="add one Epstein-Nesbet perturbative step to the warm-start state (first-order connected "
                         "triples and beyond; one H application over the sector), kept only if it lowers the state's "
                         "energy (default on; --no-warm-start-pt fits the state as the method gives it)")
-    p.add_argument("--warm-start-max-configs", type=int, default=MAX_FIT_CONFIGS, metavar="N",
-                   help="fit at most the N largest configurations of the warm-start state (default %(default)s; "
-                        "H2O/6-31G's CCSD+pt state has 7108 above |c|^2 = 1e-8: 8192 starts VMC at 8 instead of 14 "
-                        "mHa, for a 4x longer fit; see docs/nnqs.md)")
+    p.add_argument("--warm-start-max-configs", type=int, default=None, metavar="N",
+                   help=f"fit at most the N largest configurations of the warm-start state (default "
+                        f"{MAX_FIT_CONFIGS}, {SELECTED_SUM_FIT_CONFIGS} where the steps take the selected sum: "
+                        "H2O/6-31G's CCSD+pt state has 7108 above |c|^2 = 1e-8, and fitted on all of them VMC starts "
+                        "at 8 instead of 14 mHa, for a 4x longer fit; see docs/nnqs.md)")
     p.add_argument("--warm-start-steps", type=int, default=WarmStartConfig.steps,
                    help=f"supervised steps of the warm start (default {WarmStartConfig.steps})")
     p.add_argument("--warm-start-phase-weight", choices=PHASE_WEIGHTS, default=WarmStartConfig.phase_weight,
@@ -125,13 +128,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="entropy annealing strength (fraction of the diagonal energy spread, >= 0); 0 disables "
                         f"(default {WARM_START.anneal:g} after a warm start, {RANDOM_START.anneal:g} with --warm-start "
                         "none)")
-    p.add_argument("--rollback-tol", type=float, default=VMCConfig.rollback_tol_mha, metavar="MHA",
+    p.add_argument("--rollback-tol", type=float, default=None, metavar="MHA",
                    help="exact- and selected-sum runs: from step --rollback-after on, a step whose energy lies "
                         "this many mHa above the best seen restores the best state and halves the learning rate; "
-                        "0 disables "
-                        f"(default {VMCConfig.rollback_tol_mha:g})")
-    p.add_argument("--rollback-after", type=int, default=VMCConfig.rollback_after, metavar="STEP",
-                   help=f"first step the rollback rule watches (default {VMCConfig.rollback_after})")
+                        f"0 disables (default {WARM_START.rollback_tol_mha:g}, {SELECTED_SUM.rollback_tol_mha:g} "
+                        "with the selected sum)")
+    p.add_argument("--rollback-after", type=int, default=None, metavar="STEP",
+                   help=f"first step the rollback rule watches (default {WARM_START.rollback_after}, "
+                        f"{SELECTED_SUM.rollback_after} with the selected sum)")
     p.add_argument("--sr", action="store_true", help="stochastic reconfiguration (minSR; slow, small systems)")
     p.add_argument("--d-model", type=int, default=AnsatzConfig.d_model,
                    help="decoder width (amplitudes; default %(default)s)")
@@ -215,9 +219,11 @@ def check_flags(args: argparse.Namespace) -> int | None:
 
 def fill_recipe(args: argparse.Namespace, recipe: Recipe) -> None:
     """Optimiser flags left out take the values that go with the start actually made (``nnqs.recipe``)."""
-    for name in ("lr", "warmup", "anneal", "min_lr_ratio", "phase_lr_scale", "beta2"):
+    for name, field in (("lr", "lr"), ("warmup", "warmup"), ("anneal", "anneal"), ("min_lr_ratio", "min_lr_ratio"),
+                        ("phase_lr_scale", "phase_lr_scale"), ("beta2", "beta2"),
+                        ("rollback_tol", "rollback_tol_mha"), ("rollback_after", "rollback_after")):
         if getattr(args, name) is None:
-            setattr(args, name, getattr(recipe, name))
+            setattr(args, name, getattr(recipe, field))
 
 
 def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, ansatz: AnsatzConfig,
@@ -245,7 +251,8 @@ def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, a
         "world_size": world_size, "n_parameters": sum(p.numel() for p in res.wavefunction.parameters()),
         "ansatz": ansatz.__dict__, "lr": args.lr, "warmup": args.warmup,
         "min_lr_ratio": args.min_lr_ratio, "phase_lr_scale": args.phase_lr_scale, "beta2": args.beta2,
-        "anneal": args.anneal, "sr": args.sr, "rollbacks": res.rollbacks,
+        "anneal": args.anneal, "sr": args.sr, "rollback_tol_mha": args.rollback_tol,
+        "rollback_after": args.rollback_after, "rollbacks": res.rollbacks,
         "warm_start": res.warm_start, "kv_cache": not args.no_cache, "wall_time_s": wall_s, "cpu_time_s": cpu_s,
         "vmc_time_s": res.wall_time_s,
         "reference_time_s": t_ref, "notes": refs.notes,
@@ -274,14 +281,17 @@ def run(args: argparse.Namespace) -> int:
         system = prepare(mol, fci=not args.no_fci, cc=not args.no_cc)
         t_ref = time.perf_counter() - t0
         refs, ham = system.references, system.hamiltonian
+        n_conf = n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)
+        selected_sum = takes_selected_sum(args.estimator, args.local_energy, n_conf, VMCConfig.sector_max)
+        if args.warm_start_max_configs is None:
+            args.warm_start_max_configs = SELECTED_SUM_FIT_CONFIGS if selected_sum else MAX_FIT_CONFIGS
         warm = target_state(args.warm_start, system.mf, ham.n_orb, ham.n_alpha, ham.n_beta, perturb=args.warm_start_pt,
                             max_configs=args.warm_start_max_configs)
-        fill_recipe(args, recipe_for("none" if warm is None else warm.method))
-        n_conf = n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)
+        fill_recipe(args, recipe_for("none" if warm is None else warm.method, selected_sum))
         samples = samples or default_samples(n_conf, VMCConfig.sector_max, args.estimator)
         if args.steps is None:  # a resumed run keeps the length it was started with
             args.steps = ((checkpointed_steps(out) if args.resume else None)
-                          or default_steps(n_conf))
+                          or default_steps(n_conf, selected_sum))
         cfg = VMCConfig(steps=args.steps, samples=samples, lr=args.lr,
                         samples_final=None if args.samples_final is None else int(args.samples_final),
                         warmup=args.warmup, anneal=args.anneal, min_lr_ratio=args.min_lr_ratio,

@@ -87,7 +87,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     t_start = time.perf_counter()
     sector = build_sector(ham, cfg, dist)
     exact = uses_exact_sum(cfg, sector)
-    selected = None if exact else build_selected(ham, cfg, sector)  # before the checkpoint, which may restore it
+    selected = None if exact else build_selected(ham, cfg)  # before the checkpoint, which may restore it
     if checkpoint is not None:
         start_step, t0, restored = load_checkpoint(store, checkpoint, wf, opt, guard, ham, selected)
     warm = None

@@ -34,10 +34,18 @@ class Recipe:
     phase_lr_scale: float
     beta2: float
     min_lr_ratio: float
+    rollback_tol_mha: float = 10.0  # the step guard (step_guard.py): tolerance and first step watched
+    rollback_after: int = 200
 
 
 RANDOM_START = Recipe(lr=5e-3, warmup=20, anneal=0.07, phase_lr_scale=10.0, beta2=0.99, min_lr_ratio=0.05)
 WARM_START = Recipe(lr=2e-3, warmup=40, anneal=0.0, phase_lr_scale=10.0, beta2=0.999, min_lr_ratio=0.02)
+# past the sector fast path (the selected sum) a warm start keeps what it was fitted: the phase MLP at 1x and half
+# the rate, with the guard watching from step 0 at 2 mHa. On H2O/6-31G from the same fitted state (7 108
+# configurations) WARM_START's phase MLP at 10x set the energy oscillating from the first step (8 -> 62 mHa by step
+# 40) and ended at 2.84 mHa after 1 500 steps; this recipe descended from the start (docs/nnqs.md)
+SELECTED_SUM = Recipe(lr=1e-3, warmup=40, anneal=0.0, phase_lr_scale=1.0, beta2=0.999, min_lr_ratio=0.02,
+                      rollback_tol_mha=2.0, rollback_after=0)
 
 
 # N_s per step where the sector is too large for the exact sum (VMCConfig.sector_max): each unique sample costs a
@@ -55,16 +63,28 @@ SELECTED_SAMPLES = 10**6
 # (determinants in the (N_alpha, N_beta) sector up to which, VMC steps); larger sectors get LONG_RUN_STEPS
 STEPS_BY_SECTOR = ((999, 400), (9_999, 1000))
 LONG_RUN_STEPS = 2500
+# the selected sum: a step costs ~2 s on H2O/6-31G (S ~ 10 000), so 1 500 steps and the fit below end within ~85
+# minutes on 2 cores
+SELECTED_SUM_STEPS = 1500
+# the selected sum fits the warm-start state's 8 192 largest configurations (MAX_FIT_CONFIGS elsewhere): H2O/6-31G's
+# CCSD+pt has 7 108 above |c|^2 = 1e-8, and fitted on all of them VMC starts at 8 mHa instead of 14 (a 24-minute fit)
+SELECTED_SUM_FIT_CONFIGS = 8192
 
 
-def default_steps(n_configurations: int) -> int:
-    """VMC steps when ``--steps`` is left out: 400 below 1 000 determinants, 1 000 below 10 000, 2 500 from there."""
+def default_steps(n_configurations: int, selected_sum: bool = False) -> int:
+    """VMC steps when ``--steps`` is left out: 400 below 1 000 determinants, 1 000 below 10 000, 2 500 from there;
+    ``SELECTED_SUM_STEPS`` where the steps take the selected sum."""
+    if selected_sum:
+        return SELECTED_SUM_STEPS
     return next((steps for limit, steps in STEPS_BY_SECTOR if n_configurations <= limit), LONG_RUN_STEPS)
 
 
-def recipe_for(warm_start: str) -> Recipe:
-    """The recipe for a ``--warm-start`` method ("none" is the random start)."""
-    return RANDOM_START if warm_start == "none" else WARM_START
+def recipe_for(warm_start: str, selected_sum: bool = False) -> Recipe:
+    """The recipe for a ``--warm-start`` method ("none" is the random start), and for a warm start whose steps take
+    the selected sum."""
+    if warm_start == "none":
+        return RANDOM_START
+    return SELECTED_SUM if selected_sum else WARM_START
 
 
 def default_samples(n_configurations: int, sector_max: int, estimator: str = "auto") -> int:

@@ -196,13 +196,18 @@ def uses_exact_sum(cfg: VMCConfig, sector: SectorHamiltonian | None) -> bool:
     return sector is not None and cfg.estimator in ("auto", "exact-sum")
 
 
-def build_selected(ham: Hamiltonian, cfg: VMCConfig, sector: SectorHamiltonian | None) -> SelectedSpace | None:
-    """An empty selected space when steps take the selected-sum estimator: asked for, or ``auto`` past the sector fast
-    path (``sector_max`` > 0: a disabled fast path keeps the per-sample path, for comparisons)."""
-    if cfg.estimator == "selected-sum" or (cfg.estimator == "auto" and sector is None and cfg.sector_max > 0
-                                           and cfg.local_energy == "exact"):
-        return SelectedSpace(ham)
-    return None
+def takes_selected_sum(estimator: str, local_energy: str, n_configurations: int, sector_max: int) -> bool:
+    """Whether steps take the selected-sum estimator: asked for, or ``auto`` with exact local energies past the sector
+    fast path (``sector_max`` > 0: a disabled fast path keeps the per-sample path, for comparisons). The CLI asks
+    before it builds anything, to pick the recipe that goes with it."""
+    return estimator == "selected-sum" or (estimator == "auto" and local_energy == "exact"
+                                           and 0 < sector_max < n_configurations)
+
+
+def build_selected(ham: Hamiltonian, cfg: VMCConfig) -> SelectedSpace | None:
+    """An empty selected space when steps take the selected-sum estimator (``takes_selected_sum``)."""
+    n = n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)
+    return SelectedSpace(ham) if takes_selected_sum(cfg.estimator, cfg.local_energy, n, cfg.sector_max) else None
 
 
 def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg: VMCConfig, step: int,
