@@ -1,6 +1,7 @@
 """The optimiser settings that go with each start: a warm start (the default) or a random start with annealing.
 
-The two starts need different optimisers, which is why these are not single defaults in ``VMCConfig``:
+The starts, and a warm start past the sector fast path, need different optimisers, which is why these are not
+single defaults in ``VMCConfig``:
 
 - **Random start** (``--warm-start none``): entropy annealing keeps P broad while the phase MLP, at 10x the
   learning rate, learns the sign structure before P concentrates near Hartree-Fock (docs/nnqs.md, "Training
@@ -14,6 +15,9 @@ The two starts need different optimisers, which is why these are not single defa
   lr 1e-2 collapsed onto HF within 10 steps even with exact gradients; 1e-3 and 2e-3 descended, 2e-3 faster). A
   long warmup (40 steps) and beta2 0.999 let Adam's second moments settle before the full rate is reached, and the
   cosine ends at 2 % of it, where the last mHa are gained without the oscillation of a constant rate.
+- **Warm start past the sector fast path** (the selected sum, ``SELECTED_SUM``): a step costs seconds, so the
+  fitted state cannot be thrown away and won back as on N2. The phase MLP at 1x and half the rate, with the step
+  guard from step 0, descend from the fitted state where ``WARM_START`` set it oscillating from the first step.
 
 The number of steps grows with the sector (``default_steps``), because the cosine decay has to be stretched over
 enough steps for the last mHa: LiH and H2O (225 and 441 determinants) end at 0.03-0.3 mHa after 400 steps, NH3
@@ -43,7 +47,7 @@ WARM_START = Recipe(lr=2e-3, warmup=40, anneal=0.0, phase_lr_scale=10.0, beta2=0
 # past the sector fast path (the selected sum) a warm start keeps what it was fitted: the phase MLP at 1x and half
 # the rate, with the guard watching from step 0 at 2 mHa. On H2O/6-31G from the same fitted state (7 108
 # configurations) WARM_START's phase MLP at 10x set the energy oscillating from the first step (8 -> 62 mHa by step
-# 40) and ended at 2.84 mHa after 1 500 steps; this recipe descended from the start (docs/nnqs.md)
+# 40) and ended at 2.84 mHa after 1 500 steps; this recipe descended from the start and ended at 2.31 (docs/nnqs.md)
 SELECTED_SUM = Recipe(lr=1e-3, warmup=40, anneal=0.0, phase_lr_scale=1.0, beta2=0.999, min_lr_ratio=0.02,
                       rollback_tol_mha=2.0, rollback_after=0)
 
@@ -63,8 +67,8 @@ SELECTED_SAMPLES = 10**6
 # (determinants in the (N_alpha, N_beta) sector up to which, VMC steps); larger sectors get LONG_RUN_STEPS
 STEPS_BY_SECTOR = ((999, 400), (9_999, 1000))
 LONG_RUN_STEPS = 2500
-# the selected sum: a step costs ~2 s on H2O/6-31G (S ~ 10 000), so 1 500 steps and the fit below end within ~85
-# minutes on 2 cores
+# the selected sum: a step costs ~2 s on H2O/6-31G (S ~ 9 000-10 000), so 1 500 steps and the fit below took 72.5
+# minutes in all on 2 cores
 SELECTED_SUM_STEPS = 1500
 # the selected sum fits the warm-start state's 8 192 largest configurations (MAX_FIT_CONFIGS elsewhere): H2O/6-31G's
 # CCSD+pt has 7 108 above |c|^2 = 1e-8, and fitted on all of them VMC starts at 8 mHa instead of 14 (a 24-minute fit)
