@@ -219,11 +219,10 @@ def check_flags(args: argparse.Namespace) -> int | None:
 
 def fill_recipe(args: argparse.Namespace, recipe: Recipe) -> None:
     """Optimiser flags left out take the values that go with the start actually made (``nnqs.recipe``)."""
-    for name, field in (("lr", "lr"), ("warmup", "warmup"), ("anneal", "anneal"), ("min_lr_ratio", "min_lr_ratio"),
-                        ("phase_lr_scale", "phase_lr_scale"), ("beta2", "beta2"),
-                        ("rollback_tol", "rollback_tol_mha"), ("rollback_after", "rollback_after")):
+    for name in ("lr", "warmup", "anneal", "min_lr_ratio", "phase_lr_scale", "beta2", "rollback_tol",
+                 "rollback_after"):
         if getattr(args, name) is None:
-            setattr(args, name, getattr(recipe, field))
+            setattr(args, name, getattr(recipe, "rollback_tol_mha" if name == "rollback_tol" else name))
 
 
 def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, ansatz: AnsatzConfig,

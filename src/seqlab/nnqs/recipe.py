@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from seqlab.nnqs.vmc import VMCConfig
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -38,8 +40,8 @@ class Recipe:
     phase_lr_scale: float
     beta2: float
     min_lr_ratio: float
-    rollback_tol_mha: float = 10.0  # the step guard (step_guard.py): tolerance and first step watched
-    rollback_after: int = 200
+    rollback_tol_mha: float = VMCConfig.rollback_tol_mha  # the step guard (step_guard.py): tolerance and first
+    rollback_after: int = VMCConfig.rollback_after  # step watched; VMCConfig's unless a recipe says otherwise
 
 
 RANDOM_START = Recipe(lr=5e-3, warmup=20, anneal=0.07, phase_lr_scale=10.0, beta2=0.99, min_lr_ratio=0.05)
