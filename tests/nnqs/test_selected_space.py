@@ -78,6 +78,26 @@ def test_selected_energy_is_the_rayleigh_quotient_of_the_truncated_state(system)
     assert abs(float(ex.probabilities.sum()) - 1.0) < 1e-12 and len(ex.probabilities) == len(space)
 
 
+def test_the_ground_energy_of_the_space_is_its_selected_ci(system):
+    """Over half of H2O's sector: the lowest eigenvalue of the dense block, above FCI and below psi's energy on S;
+    over the whole sector it is FCI; one or two configurations take the dense route."""
+    s = system("h2o")
+    ham, sector = s.hamiltonian, SectorHamiltonian(s.hamiltonian, progress=False)
+    space = SelectedSpace(ham)
+    space.add(sector.keys[::2])
+    lowest = np.linalg.eigvalsh(_dense_block(ham, space.keys))[0]
+    assert abs(space.ground_energy() - lowest) < 1e-9
+    torch.manual_seed(3)
+    psi_energy = subspace_sum(make_evaluator(Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta))(space.keys),
+                              space.hamiltonian(), 0.0, 10**6).energy.real
+    assert s.references.e_fci + 1e-6 < space.ground_energy() < psi_energy
+    space.add(sector.keys)
+    assert abs(space.ground_energy() - s.references.e_fci) < 1e-9
+    few = SelectedSpace(ham)
+    few.add(sector.keys[:2])
+    assert abs(few.ground_energy() - np.linalg.eigvalsh(_dense_block(ham, few.keys))[0]) < 1e-12
+
+
 def test_a_selected_step_that_samples_the_whole_sector_is_the_exact_sum_step(system):
     """N_s = 1e12 draws every configuration of LiH's 225 a random start weighs: the selected-sum step then takes
     the exact-sum step (the same energy and the same parameters after it)."""
@@ -107,6 +127,7 @@ def test_auto_takes_the_selected_sum_past_the_sector_fast_path(system):
     res = run_vmc(s.hamiltonian, VMCConfig(steps=3, samples=10**4, sector_max=100, eval_exact_max=100, seed=1), TINY)
     assert res.estimator == "selected-sum" and all(r["n_selected"] > 0 for r in res.records)
     assert res.final["selected_energy"] > s.references.e_fci and 0 < res.final["selected_size"] <= 225
+    assert s.references.e_fci - 1e-9 < res.final["selected_ci_energy"] <= res.final["selected_energy"]
     assert res.final["final_eval"] == "sampled" and res.final["final_eval_samples"] == 10**4
     assert run_vmc(s.hamiltonian, VMCConfig(steps=1, sector_max=0, seed=1), TINY).estimator == "sampled"
 

@@ -242,6 +242,8 @@ def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, a
         "final_eval_time_s": fin["time_s"],
         "selected_energy": fin.get("selected_energy"), "selected_size": fin.get("selected_size"),
         "selected_error_mha": error_mha(fin.get("selected_energy")),
+        "selected_ci_energy": fin.get("selected_ci_energy"),
+        "selected_ci_error_mha": error_mha(fin.get("selected_ci_energy")),
         "e_hf": refs.e_hf, "e_ccsd": refs.e_ccsd, "e_ccsd_t": refs.e_ccsd_t, "e_fci": refs.e_fci,
         "e_fci_sector": refs.e_fci_sector,
         "error_mha": error_mha(fin["energy"]), "e_ccsd_t_error_mha": error_mha(refs.e_ccsd_t),

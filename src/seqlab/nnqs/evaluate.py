@@ -26,14 +26,16 @@ def evaluate_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: Di
     energy is then an independent check of it (and the one-off cost is small). After a selected-sum run
     (``selected``: its space) the sample is N_s of the last step, not 100x: each unique sample costs an exact local
     energy over its ~10^3 connected configurations; ``selected_energy`` is the exact energy of psi restricted to the
-    space of the last step (variational; what the training minimised).
+    space of the last step (variational; what the training minimised), and ``selected_ci_energy`` the lowest energy
+    of any state on that space.
     """
     n_conf = n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)
     evaluate = make_evaluator(wf)
     extra = {}
     if selected is not None:  # the space of the last step (the same on every rank)
         ex = subspace_sum(evaluate(selected.keys), selected.hamiltonian(), 0.0, 1)
-        extra = {"selected_energy": ex.energy.real, "selected_size": len(selected)}
+        extra = {"selected_energy": ex.energy.real, "selected_size": len(selected),
+                 "selected_ci_energy": selected.ground_energy()}
     if n_conf <= cfg.eval_exact_max:
         tokens = all_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)
         keys = tokens_to_keys(tokens)

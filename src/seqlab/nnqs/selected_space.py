@@ -17,6 +17,7 @@ one enumeration gives both the new row and the new column. Configurations whose 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -103,3 +104,13 @@ class SelectedSpace:
             matrix.sum_duplicates()
             self._matrix = SubspaceHamiltonian(self.keys, keys_to_tokens(self.keys, self.ham.n_orb), matrix)
         return self._matrix
+
+    def ground_energy(self) -> float:
+        """The lowest eigenvalue of H over S: the best energy any state on S can have (its selected CI), so a run's
+        error splits into what psi misses on S and what S misses of the sector (a second or so for 10^4 keys)."""
+        from scipy.sparse.linalg import eigsh  # optional heavy dependency (the nnqs extra)
+
+        matrix = self.hamiltonian().matrix
+        if len(self) <= 2:  # eigsh needs k < D
+            return float(np.linalg.eigvalsh(matrix.toarray())[0])
+        return float(eigsh(matrix, k=1, which="SA", v0=np.ones(len(self)))[0][0])
