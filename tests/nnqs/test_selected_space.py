@@ -45,6 +45,58 @@ def test_grown_in_pieces_and_pruned_it_equals_the_dense_block(system):
         torch.isin(keys, space.keys)])
 
 
+def test_expand_adds_and_pins_the_configurations_of_largest_second_order_energy(system):
+    """From a third of H2O's sector (STO-3G) and the lowest state on it: the k keys added are the k outside ones of largest
+    |<x|H|psi_S>|^2 / |H_xx - E| by the dense matrix, they survive a prune of everything, a checkpoint round trip
+    keeps them pinned, and the space's own lowest energy drops."""
+    ham = system("h2o").hamiltonian
+    sector = tokens_to_keys(all_configurations(ham.n_orb, ham.n_alpha, ham.n_beta))
+    space = SelectedSpace(ham, max_elements=4096)  # several chunks
+    space.add(sector[::3])
+    values, vectors = np.linalg.eigh(_dense_block(ham, space.keys))  # psi: the lowest state on S, as a run nears it
+    c = torch.from_numpy(vectors[:, 0])
+    log_psi = torch.complex(c.abs().log(), torch.where(c < 0, torch.pi, 0.0).double())
+    energy = float(values[0])
+    dense = ham.dense(sector)
+    inside = torch.isin(sector, space.keys).numpy()
+    psi = np.zeros(len(sector), dtype=np.complex128)
+    psi[inside] = torch.exp(log_psi).numpy()
+    psi /= np.linalg.norm(psi)
+    gain = np.abs(dense @ psi) ** 2 / np.abs(np.diag(dense) - energy)
+    gain[inside] = -1.0
+    floor = space.ground_energy()
+    summed = space.keys.clone()
+    assert space.expand(summed, log_psi, energy, 20) == 20
+    want = space.pinned.clone()
+    picked = gain[torch.searchsorted(sector, want).numpy()]  # by gain: spin-flipped partners tie
+    np.testing.assert_allclose(np.sort(picked), np.sort(gain)[-20:], rtol=1e-9)
+    assert bool(space.contains(want).all()) and len(space) == len(summed) + 20
+    np.testing.assert_allclose(space.hamiltonian().matrix.toarray(), _dense_block(ham, space.keys), atol=1e-12)
+    assert space.ground_energy() < floor - 1e-6
+    space.keep(torch.zeros(len(space), dtype=torch.bool))
+    assert torch.equal(space.keys, want)
+    again = SelectedSpace(ham)
+    again.load_state(space.state())
+    again.keep(torch.zeros(len(again), dtype=torch.bool))
+    assert torch.equal(again.keys, want) and torch.equal(again.pinned, want)
+
+
+def test_selected_steps_expand_the_space_every_so_many_steps_up_to_the_cap(system):
+    """VMCConfig.selected_expand: k pinned a step (every=1) until selected_expand_max, then none."""
+    ham = system("lih").hamiltonian
+    torch.manual_seed(6)
+    wf = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta, TINY)
+    cfg = VMCConfig(steps=3, samples=50, warmup=0, anneal=0.0, estimator="selected-sum", selected_expand=10,
+                    selected_expand_every=1, selected_expand_max=15)
+    space = build_selected(ham, cfg)
+    opt = torch.optim.SGD(wf.parameters(), lr=1e-3)
+    pinned = []
+    for step in range(3):
+        vmc_step(wf, ham, opt, cfg, step, DistInfo(), selected=space)
+        pinned.append(len(space.pinned))
+    assert pinned == [10, 15, 15] and bool(space.contains(space.pinned).all())
+
+
 def test_selected_sum_over_the_whole_sector_is_the_exact_sum(system):
     """With every configuration selected, the selected sum is the exact sum (the same energy and local energies)."""
     ham = system("h2o").hamiltonian

@@ -58,16 +58,21 @@ def test_vmc_h2_reaches_chemical_accuracy_and_writes_result(tmp_path, capsys):
 
 def test_cli_takes_the_selected_sum_recipe_where_the_steps_take_the_selected_sum(tmp_path):
     """--estimator selected-sum (what auto takes past the sector fast path) brings its own defaults: the recipe that
-    keeps the fitted state, its run length and the larger fit; explicit flags still win."""
+    keeps the fitted state, its run length and the larger fit; explicit flags still win; result.json has the
+    space's own lowest energy between FCI and psi's."""
     argv = ["--molecule", "lih", "--estimator", "selected-sum", "--samples", "1000", "--warm-start-steps", "20",
             "--quiet", "--no-cc", "--seed", "0"]
     assert _cli([*argv, "--steps", "2", "--out", str(tmp_path / "a")]) == 0
     r = json.loads((tmp_path / "a" / "result.json").read_text())
     assert r["estimator"] == "selected-sum"
     assert (r["lr"], r["phase_lr_scale"], r["rollback_tol_mha"], r["rollback_after"]) == (1e-3, 1.0, 2.0, 0)
-    assert _cli([*argv, "--steps", "2", "--lr", "5e-4", "--rollback-after", "7", "--out", str(tmp_path / "b")]) == 0
+    assert r["selected_expand"] == 0 and r["e_fci"] - 1e-9 < r["selected_ci_energy"] <= r["selected_energy"]
+    assert _cli([*argv, "--steps", "2", "--lr", "5e-4", "--rollback-after", "7", "--selected-expand", "30",
+                 "--out", str(tmp_path / "b")]) == 0
     r = json.loads((tmp_path / "b" / "result.json").read_text())
-    assert (r["lr"], r["rollback_after"]) == (5e-4, 7)
+    assert (r["lr"], r["rollback_after"], r["selected_expand"]) == (5e-4, 7, 30)
+    with pytest.raises(ValueError, match="--selected-expand must be >= 0"):
+        _cli([*argv, "--selected-expand", "-1", "--out", str(tmp_path / "c")])
 
 
 def test_cli_reads_an_xyz_file_in_bohr_and_mirrors_to_tensorboard(tmp_path, system):

@@ -89,6 +89,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exact-max-configs", type=int, default=VMCConfig.exact_max_configs,
                    help="exact-sum: at most this many configurations in the gradient (default "
                         f"{VMCConfig.exact_max_configs})")
+    p.add_argument("--selected-expand", type=int, default=VMCConfig.selected_expand, metavar="N",
+                   help=f"selected-sum: every {VMCConfig.selected_expand_every} steps (from step 0) the N "
+                        "configurations outside the space with the largest second-order energy join it for good, up "
+                        f"to {VMCConfig.selected_expand_max} in all (default {VMCConfig.selected_expand}: none; on "
+                        "H2O/6-31G 5000 took the space's own floor from 0.88 to 0.19 mHa; see docs/nnqs.md)")
     p.add_argument("--lr", type=float, default=None,
                    help=f"peak AdamW learning rate, then cosine decay (default {WARM_START.lr:g} after a warm start, "
                         f"{SELECTED_SUM.lr:g} after one with the selected sum, {RANDOM_START.lr:g} from a random "
@@ -200,6 +205,7 @@ def check_flags(args: argparse.Namespace) -> int | None:
                              ("--threads", args.threads, 1), ("--warm-start-steps", args.warm_start_steps, 0),
                              ("--warm-start-max-configs", args.warm_start_max_configs, 1),
                              ("--rollback-tol", args.rollback_tol, 0), ("--rollback-after", args.rollback_after, 0),
+                             ("--selected-expand", args.selected_expand, 0),
                              ("--d-model", args.d_model, 1), ("--layers", args.layers, 1), ("--heads", args.heads, 1),
                              ("--phase-hidden", args.phase_hidden, 1), ("--phase-layers", args.phase_layers, 1)):
         if value is not None and not value >= low:  # `not >=` also catches NaN
@@ -253,7 +259,7 @@ def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, a
         "ansatz": ansatz.__dict__, "lr": args.lr, "warmup": args.warmup,
         "min_lr_ratio": args.min_lr_ratio, "phase_lr_scale": args.phase_lr_scale, "beta2": args.beta2,
         "anneal": args.anneal, "sr": args.sr, "rollback_tol_mha": args.rollback_tol,
-        "rollback_after": args.rollback_after, "rollbacks": res.rollbacks,
+        "rollback_after": args.rollback_after, "rollbacks": res.rollbacks, "selected_expand": args.selected_expand,
         "warm_start": res.warm_start, "kv_cache": not args.no_cache, "wall_time_s": wall_s, "cpu_time_s": cpu_s,
         "vmc_time_s": res.wall_time_s,
         "reference_time_s": t_ref, "notes": refs.notes,
@@ -300,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
                         local_energy=args.local_energy, estimator=args.estimator, exact_tail=args.exact_tail,
                         exact_max_configs=args.exact_max_configs, sr=args.sr, seed=args.seed,
                         checkpoint_every=args.checkpoint_every, rollback_tol_mha=args.rollback_tol,
-                        rollback_after=args.rollback_after,
+                        rollback_after=args.rollback_after, selected_expand=args.selected_expand,
                         sampler=SamplerConfig(use_cache=not args.no_cache, max_batch=args.max_batch))
         ansatz = AnsatzConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                               phase_hidden=args.phase_hidden, phase_layers=args.phase_layers)

@@ -74,6 +74,12 @@ class VMCConfig:
     exact_max_configs: int = 16384  # ... and at most this many (bounds the backward's cost)
     # selected-sum: a configuration leaves the selected space when its probability (over the space) falls below this
     selected_min_prob: float = 1e-9
+    # selected-sum: every ``selected_expand_every`` steps the ``selected_expand`` configurations outside the space with
+    # the largest second-order energy join it for good (``SelectedSpace.expand``), up to ``selected_expand_max`` in
+    # all; 0 adds none
+    selected_expand: int = 0
+    selected_expand_every: int = 100
+    selected_expand_max: int = 20_000
     # sampled: past this many unique samples the gradient is re-evaluated in chunks of this size (memory of one
     # chunk's activations, ~0.1 MB per configuration; all of a 1.7 M sector's samples at once would need ~20 GB)
     grad_chunk: int = 16384
@@ -114,6 +120,7 @@ class VMCConfig:
         if self.samples_final is not None and self.samples_final < self.samples:
             raise ValueError(f"VMCConfig.samples_final: must be >= samples ({self.samples}), got {self.samples_final}")
         for name, low in (("steps", 1), ("samples", 1), ("grad_chunk", 1), ("checkpoint_every", 1), ("keep_last", 0),
+                          ("selected_expand", 0), ("selected_expand_every", 1), ("selected_expand_max", 0),
                           ("warmup", 0), ("anneal", 0), ("rollback_tol_mha", 0), ("rollback_after", 0)):
             if not getattr(self, name) >= low:  # `not >=` also refuses NaN
                 raise ValueError(f"VMCConfig.{name}: must be >= {low}, got {getattr(self, name)}")
@@ -226,10 +233,15 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
         s = sample(wf, samples_at(cfg, step), shared, cfg.sampler)  # every rank draws the same tree: the same S
         selected.add(tokens_to_keys(s.tokens))
         t1 = time.perf_counter()
-        ex = subspace_sum(make_evaluator(wf)(selected.keys), selected.hamiltonian(), cfg.exact_tail,
-                          cfg.exact_max_configs, dist.rank, dist.world_size)
+        summed = selected.keys
+        log_psi = make_evaluator(wf)(summed)
+        ex = subspace_sum(log_psi, selected.hamiltonian(), cfg.exact_tail, cfg.exact_max_configs, dist.rank,
+                          dist.world_size)
         n_selected = len(ex.probabilities)
         selected.keep(ex.probabilities >= cfg.selected_min_prob)  # for the next step; this one sums over all
+        room = cfg.selected_expand_max - len(selected.pinned)
+        if cfg.selected_expand and step % cfg.selected_expand_every == 0 and room > 0:
+            selected.expand(summed, log_psi, ex.energy.real, min(cfg.selected_expand, room))
         tokens, w, eloc, tail = ex.tokens, ex.weights, ex.eloc, ex.tail_mass
         (e_re, e_im), var, n_unique, sigma = (ex.energy.real, ex.energy.imag), ex.variance, ex.n_kept, 0.0
         logp, phase = wf(tokens) if len(tokens) else (torch.zeros(0), torch.zeros(0))
