@@ -12,7 +12,8 @@ the sampler finds those that the wavefunction weighs; what it weighs outside S i
 The matrix is built incrementally: a configuration joining S enumerates its connected configurations once
 (``Hamiltonian.connected``) and keeps the elements whose other end is in S; H is Hermitian (real here), so that
 one enumeration gives both the new row and the new column. Configurations whose probability falls below
-``min_prob`` leave S (with their elements), which bounds S by what psi still weighs.
+``min_prob`` leave S (with their elements), which bounds S by what psi still weighs. What psi weighs too little to
+be drawn at all can join through ``expand`` (second-order perturbation theory), pinned against that prune.
 """
 
 from __future__ import annotations
@@ -84,14 +85,14 @@ class SelectedSpace:
 
     def expand(self, keys: Tensor, log_psi: Tensor, energy: float, k: int) -> int:
         """Add (and pin) the ``k`` configurations outside S that matter most to psi by second-order perturbation
-        theory, |<x|H|psi>|^2 / (E - H_xx) (Epstein-Nesbet), for psi given by ``log_psi`` on ``keys`` (the space a
+        theory, |<x|H|psi>|^2 / |H_xx - E| (Epstein-Nesbet), for psi given by ``log_psi`` on ``keys`` (the space a
         step summed over; S itself may have been pruned since) and ``energy`` its energy there; returns how many
         joined.
 
         Why: a configuration joins S only once the sampler draws it, so one that psi weighs far too little never
-        gets a gradient. On H2O/6-31G a run's final S (9 286 configurations) could not hold a state closer than
-        0.88 mHa to FCI; its 5 000 best outside configurations by this score took that floor to 0.12 mHa.
-        Pinned, they stay while psi learns their amplitudes, whatever their probability.
+        gets a gradient, and S's own floor (``ground_energy``) stays above FCI however well psi fits S (on
+        H2O/6-31G it was most of the error left: docs/nnqs.md). Pinned, the added configurations stay while psi
+        learns their amplitudes, whatever their probability.
         """
         if k <= 0 or not len(keys):
             return 0
@@ -150,7 +151,8 @@ class SelectedSpace:
 
     def ground_energy(self) -> float:
         """The lowest eigenvalue of H over S: the best energy any state on S can have (its selected CI), so a run's
-        error splits into what psi misses on S and what S misses of the sector (a second or so for 10^4 keys)."""
+        error splits into what psi misses on S and what S misses of the sector (Lanczos: well under a second for 10^4
+        keys)."""
         from scipy.sparse.linalg import eigsh  # optional heavy dependency (the nnqs extra)
 
         matrix = self.hamiltonian().matrix
