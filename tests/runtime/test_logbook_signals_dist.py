@@ -1,6 +1,7 @@
 import json
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -118,3 +119,44 @@ def test_two_gloo_ranks_agree(tmp_path):
     for rank in (0, 1):
         got = json.loads((tmp_path / f"r.{rank}").read_text())
         assert got == {"sum": 3.0, "mean": 1.5, "gather": ["r", "rr"], "any": True, "bcast": 7.0}
+
+
+def _shutdown_worker(rank: int, port: int, out: str, on_error: bool) -> None:
+    """Rank 1 reaches shutdown a second late; rank 0 times its own shutdown, normally or while raising."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    info = dist.init_distributed(device="cpu")
+    dist.barrier(info)
+    if rank == 1:
+        time.sleep(1.0)
+        dist.shutdown(info, timeout_s=10)
+        return
+    start = time.perf_counter()
+    try:
+        try:
+            if on_error:
+                raise KeyError("a failure on its way out")
+        finally:
+            dist.shutdown(info)  # with on_error, while the KeyError propagates
+    except KeyError:
+        pass
+    waited = time.perf_counter() - start
+    with open(out, "w") as f:
+        json.dump({"waited": waited}, f)
+
+
+@pytest.mark.parametrize("on_error", [False, True])
+def test_shutdown_waits_for_the_peer_except_on_an_error_path(tmp_path, on_error):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_shutdown_worker, args=(port, str(tmp_path / "r0"), on_error), nprocs=2)
+    waited = json.loads((tmp_path / "r0").read_text())["waited"]
+    if on_error:
+        assert waited < 0.5, waited  # no barrier while raising: the peer may never come
+    else:
+        assert waited > 0.8, waited  # met the late peer before tearing gloo down

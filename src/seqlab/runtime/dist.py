@@ -7,10 +7,14 @@ tensors (no ``*_object`` calls, which pickle): variable-length payloads travel a
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+SHUTDOWN_BARRIER_S = 60.0  # how long ``shutdown`` waits for the other ranks before destroying the group anyway
 
 
 @dataclass
@@ -82,9 +86,24 @@ def set_cpu_threads(num_threads: int | None, info: DistInfo) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
-def shutdown(info: DistInfo) -> None:
-    if info.owns_group and dist.is_initialized():
-        dist.destroy_process_group()
+def shutdown(info: DistInfo, timeout_s: float = SHUTDOWN_BARRIER_S) -> None:
+    """Destroy the group this process made, after the ranks meet in a bounded barrier.
+
+    Why the barrier: a rank that tore gloo down while its peer was still finishing aborted once under load
+    (std::terminate in gloo's teardown, SIGABRT, in tests/train/test_distributed.py). Why bounded: ``shutdown``
+    also runs in ``finally`` blocks: while an exception is on its way out the peer may be dead or stuck in a
+    collective, so there is no barrier then, and otherwise gloo's monitored barrier gives up after ``timeout_s``
+    and the group is destroyed anyway, instead of hanging the rank that is trying to exit.
+    """
+    if not (info.owns_group and dist.is_initialized()):
+        return
+    leaving_on_error = sys.exc_info()[0] is not None
+    if info.active and dist.get_backend() == "gloo" and not leaving_on_error:
+        try:
+            dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
+        except RuntimeError:
+            pass  # a peer failed or left first: nothing to wait for
+    dist.destroy_process_group()
 
 
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
