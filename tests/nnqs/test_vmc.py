@@ -67,12 +67,17 @@ def test_cli_takes_the_selected_sum_recipe_where_the_steps_take_the_selected_sum
     assert r["estimator"] == "selected-sum"
     assert (r["lr"], r["phase_lr_scale"], r["rollback_tol_mha"], r["rollback_after"]) == (1e-3, 1.0, 2.0, 0)
     assert r["selected_expand"] == 0 and r["e_fci"] - 1e-9 < r["selected_ci_energy"] <= r["selected_energy"]
+    assert r["selected_sign_fit"] == 0
     assert _cli([*argv, "--steps", "2", "--lr", "5e-4", "--rollback-after", "7", "--selected-expand", "30",
-                 "--out", str(tmp_path / "b")]) == 0
+                 "--selected-sign-fit", "25", "--out", str(tmp_path / "b")]) == 0
     r = json.loads((tmp_path / "b" / "result.json").read_text())
-    assert (r["lr"], r["rollback_after"], r["selected_expand"]) == (5e-4, 7, 30)
+    assert (r["lr"], r["rollback_after"], r["selected_expand"], r["selected_sign_fit"]) == (5e-4, 7, 30, 25)
+    steps = [json.loads(line) for line in (tmp_path / "b" / "energies.jsonl").read_text().splitlines()]
+    assert steps[0]["t_sign_fit"] > 0 and steps[1]["t_sign_fit"] == 0  # every 50 steps, from step 0
     with pytest.raises(ValueError, match="--selected-expand must be >= 0"):
         _cli([*argv, "--selected-expand", "-1", "--out", str(tmp_path / "c")])
+    with pytest.raises(ValueError, match="--selected-sign-fit must be >= 0"):
+        _cli([*argv, "--selected-sign-fit", "-1", "--out", str(tmp_path / "c")])
 
 
 def test_cli_reads_an_xyz_file_in_bohr_and_mirrors_to_tensorboard(tmp_path, system):

@@ -95,6 +95,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"to {VMCConfig.selected_expand_max} in all (default {VMCConfig.selected_expand}: none; on "
                         "H2O/6-31G 5000 took the space's own floor from 0.88 to 0.19 mHa, but psi gained only "
                         "0.05 mHa more in 300 steps at 2.5x the step cost; see docs/nnqs.md)")
+    p.add_argument("--selected-sign-fit", type=int, default=VMCConfig.selected_sign_fit, metavar="N",
+                   help=f"selected-sum: every {VMCConfig.selected_sign_fit_every} steps (from step 0) the phase "
+                        "network takes N Adam steps towards the signs of H's lowest state on the space (default "
+                        f"{VMCConfig.selected_sign_fit}: never; see docs/nnqs.md)")
     p.add_argument("--lr", type=float, default=None,
                    help=f"peak AdamW learning rate, then cosine decay (default {WARM_START.lr:g} after a warm start, "
                         f"{SELECTED_SUM.lr:g} after one with the selected sum, {RANDOM_START.lr:g} from a random "
@@ -207,6 +211,7 @@ def check_flags(args: argparse.Namespace) -> int | None:
                              ("--warm-start-max-configs", args.warm_start_max_configs, 1),
                              ("--rollback-tol", args.rollback_tol, 0), ("--rollback-after", args.rollback_after, 0),
                              ("--selected-expand", args.selected_expand, 0),
+                             ("--selected-sign-fit", args.selected_sign_fit, 0),
                              ("--d-model", args.d_model, 1), ("--layers", args.layers, 1), ("--heads", args.heads, 1),
                              ("--phase-hidden", args.phase_hidden, 1), ("--phase-layers", args.phase_layers, 1)):
         if value is not None and not value >= low:  # `not >=` also catches NaN
@@ -261,6 +266,7 @@ def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, a
         "min_lr_ratio": args.min_lr_ratio, "phase_lr_scale": args.phase_lr_scale, "beta2": args.beta2,
         "anneal": args.anneal, "sr": args.sr, "rollback_tol_mha": args.rollback_tol,
         "rollback_after": args.rollback_after, "rollbacks": res.rollbacks, "selected_expand": args.selected_expand,
+        "selected_sign_fit": args.selected_sign_fit,
         "warm_start": res.warm_start, "kv_cache": not args.no_cache, "wall_time_s": wall_s, "cpu_time_s": cpu_s,
         "vmc_time_s": res.wall_time_s,
         "reference_time_s": t_ref, "notes": refs.notes,
@@ -308,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
                         exact_max_configs=args.exact_max_configs, sr=args.sr, seed=args.seed,
                         checkpoint_every=args.checkpoint_every, rollback_tol_mha=args.rollback_tol,
                         rollback_after=args.rollback_after, selected_expand=args.selected_expand,
+                        selected_sign_fit=args.selected_sign_fit,
                         sampler=SamplerConfig(use_cache=not args.no_cache, max_batch=args.max_batch))
         ansatz = AnsatzConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                               phase_hidden=args.phase_hidden, phase_layers=args.phase_layers)

@@ -153,9 +153,15 @@ class SelectedSpace:
         """The lowest eigenvalue of H over S: the best energy any state on S can have (its selected CI), so a run's
         error splits into what psi misses on S and what S misses of the sector (Lanczos: well under a second for 10^4
         keys)."""
+        return self.ground_state()[0]
+
+    def ground_state(self) -> tuple[float, np.ndarray]:
+        """(lowest eigenvalue, its normalised real eigenvector over ``keys``) of H over S."""
         from scipy.sparse.linalg import eigsh  # optional heavy dependency (the nnqs extra)
 
         matrix = self.hamiltonian().matrix
         if len(self) <= 2:  # eigsh needs k < D
-            return float(np.linalg.eigvalsh(matrix.toarray())[0])
-        return float(eigsh(matrix, k=1, which="SA", v0=np.ones(len(self)))[0][0])
+            values, vectors = np.linalg.eigh(matrix.toarray())
+        else:
+            values, vectors = eigsh(matrix, k=1, which="SA", v0=np.ones(len(self)))
+        return float(values[0]), vectors[:, 0]

@@ -36,9 +36,10 @@ from seqlab.nnqs.exact_sum import exact_sum, sector_log_psi, subspace_sum
 from seqlab.nnqs.local_energy import MODES, PsiTable, SectorHamiltonian, local_energy
 from seqlab.nnqs.sampler import SamplerConfig, sample, tree_log_prob
 from seqlab.nnqs.selected_space import SelectedSpace
+from seqlab.nnqs.sign_fit import fit_signs
 from seqlab.nnqs.space import keys_to_tokens, n_configurations, tokens_to_bits, tokens_to_keys
 from seqlab.nnqs.sr import sr_direction
-from seqlab.runtime.dist import DistInfo, all_reduce_sum
+from seqlab.runtime.dist import DistInfo, all_reduce_mean, all_reduce_sum
 from seqlab.runtime.schedule import warmup_cosine
 
 HARTREE_TO_MHA = 1000.0
@@ -80,6 +81,10 @@ class VMCConfig:
     selected_expand: int = 0
     selected_expand_every: int = 100
     selected_expand_max: int = 20_000
+    # selected-sum: every ``selected_sign_fit_every`` steps (from step 0) the phase network takes this many Adam steps
+    # towards the signs of H's ground state on the space (``sign_fit.py``); 0: never
+    selected_sign_fit: int = 0
+    selected_sign_fit_every: int = 50
     # sampled: past this many unique samples the gradient is re-evaluated in chunks of this size (memory of one
     # chunk's activations, ~0.1 MB per configuration; all of a 1.7 M sector's samples at once would need ~20 GB)
     grad_chunk: int = 16384
@@ -121,6 +126,7 @@ class VMCConfig:
             raise ValueError(f"VMCConfig.samples_final: must be >= samples ({self.samples}), got {self.samples_final}")
         for name, low in (("steps", 1), ("samples", 1), ("grad_chunk", 1), ("checkpoint_every", 1), ("keep_last", 0),
                           ("selected_expand", 0), ("selected_expand_every", 1), ("selected_expand_max", 0),
+                          ("selected_sign_fit", 0), ("selected_sign_fit_every", 1),
                           ("warmup", 0), ("anneal", 0), ("rollback_tol_mha", 0), ("rollback_after", 0)):
             if not getattr(self, name) >= low:  # `not >=` also refuses NaN
                 raise ValueError(f"VMCConfig.{name}: must be >= {low}, got {getattr(self, name)}")
@@ -163,6 +169,7 @@ class StepStats:
     temperature: float = 0.0
     tail_mass: float = 0.0  # exact sum: probability left out of the gradient set (0 when sampled)
     n_selected: int = 0  # selected sum: configurations in the selected space this step
+    t_sign_fit: float = 0.0  # selected sum: seconds spent fitting the phase network to the space's signs
 
 
 def step_generators(seed: int, step: int, rank: int) -> tuple[torch.Generator, torch.Generator]:
@@ -227,8 +234,11 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
     the step draws N_s samples into that space and sums exactly over it.
     """
     t_0 = time.perf_counter()
-    tail, n_selected = 0.0, 0
+    tail, n_selected, t_sign_fit = 0.0, 0, 0.0
     if selected is not None:
+        if cfg.selected_sign_fit and step % cfg.selected_sign_fit_every == 0 and len(selected):
+            fit_space_signs(wf, selected, cfg.selected_sign_fit, dist)
+            t_sign_fit = time.perf_counter() - t_0
         shared, _ = step_generators(cfg.seed, step, 0)
         s = sample(wf, samples_at(cfg, step), shared, cfg.sampler)  # every rank draws the same tree: the same S
         selected.add(tokens_to_keys(s.tokens))
@@ -295,8 +305,17 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
         group["lr"] = lr * group.get("lr_scale", 1.0)
     opt.step()
     t3 = time.perf_counter()
-    return StepStats(step, e_re, e_im, sigma, var, int(n_unique), lr, t1 - t_0, t2 - t1, t3 - t2,
-                     temperature_at(cfg, step, t0), tail, n_selected)
+    return StepStats(step, e_re, e_im, sigma, var, int(n_unique), lr, t1 - t_0 - t_sign_fit, t2 - t1, t3 - t2,
+                     temperature_at(cfg, step, t0), tail, n_selected, t_sign_fit)
+
+
+def fit_space_signs(wf: Wavefunction, selected: SelectedSpace, steps: int, dist: DistInfo) -> None:
+    """Fit the phase network to the signs of H's ground state on ``selected`` (``sign_fit.py``). Every rank fits
+    the same numbers on the same space; the mean over ranks afterwards keeps them bit-identical regardless."""
+    _, coeffs = selected.ground_state()
+    fit_signs(wf, selected.hamiltonian().tokens, coeffs, steps)
+    for p in wf.phase_net.parameters():
+        all_reduce_mean(p.data, dist)
 
 
 def backward_surrogate(wf: Wavefunction, tokens: Tensor, logp: Tensor, phase: Tensor, c_logp: Tensor,
