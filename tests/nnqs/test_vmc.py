@@ -56,13 +56,15 @@ def test_vmc_h2_reaches_chemical_accuracy_and_writes_result(tmp_path, capsys):
         assert name in table
 
 
-def test_cli_takes_the_selected_sum_recipe_where_the_steps_take_the_selected_sum(tmp_path):
+def test_cli_takes_the_selected_sum_recipe_where_the_steps_take_the_selected_sum(tmp_path, monkeypatch):
     """--estimator selected-sum (what auto takes past the sector fast path) brings its own defaults: the recipe that
     keeps the fitted state, its run length and the larger fit; explicit flags still win; result.json has the
     space's own lowest energy between FCI and psi's."""
     argv = ["--molecule", "lih", "--estimator", "selected-sum", "--samples", "1000", "--warm-start-steps", "20",
             "--quiet", "--no-cc", "--seed", "0"]
-    assert _cli([*argv, "--steps", "2", "--out", str(tmp_path / "a")]) == 0
+    kept = []  # the run keeps freed pages for the next step (runtime.memory)
+    monkeypatch.setattr(cli_nnqs, "keep_freed_blocks", lambda: kept.append(True) or True)
+    assert _cli([*argv, "--steps", "2", "--out", str(tmp_path / "a")]) == 0 and kept
     r = json.loads((tmp_path / "a" / "result.json").read_text())
     assert r["estimator"] == "selected-sum"
     assert (r["lr"], r["phase_lr_scale"], r["rollback_tol_mha"], r["rollback_after"]) == (1e-3, 1.0, 2.0, 0)
