@@ -1,10 +1,10 @@
 """Teach the phase network the signs of the selected space's own ground state (selected CI), between VMC steps.
 
-Why: on H2O/6-31G the selected-sum run's psi ends 1.43 mHa above the best state on its space S, and a third of
+Why: on H2O/6-31G the selected-sum run's psi ends 1.43 mHa above the best state on its space S, and a quarter of
 that is signs. 2 199 of S's 9 286 configurations carry the wrong sign; they hold only 2e-5 of the weight, so their
 phase gradients (~|psi|^2) are too small for VMC ever to turn them, and a wrong sign also holds their amplitude
 down. H's lowest eigenvector on S costs a Lanczos solve (0.2 s there) and knows every one of those signs, so the
-phase MLP, which is cheap next to the decoder, is fitted to it for a few hundred Adam steps every so many VMC steps.
+phase MLP, which is cheap next to the decoder, is fitted to it for some thousand Adam steps every so many VMC steps.
 The amplitudes stay VMC's: only the phase network moves. The loss is the warm start's sum_x w_x (1 - cos(phi_x -
 arg c_x)), with w ~ sqrt|c|: |c| weights (the warm start's) leave the small configurations' signs wrong, uniform
 weights turn them but loosen the large ones' phases and cost tens of mHa (docs/nnqs.md).
