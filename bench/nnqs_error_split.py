@@ -125,7 +125,8 @@ def main() -> None:
               f"{mha(r['without_wrong_sign_configs_mha']):>16}{mha(r['exact_on_wrong_sign_configs_mha']):>14}"
               f"{r['lost_configs']:>16} ({r['lost_weight_fci']:.1e}){mha(r['exact_on_lost_configs_mha']):>14}"
               f"{mha(r['space_floor_mha']):>13}")
-    print("errors against the exact ground state of each run's space (its sector, or its selected space S), mHa;", write_json(args.json, rows, threads=1, parallel=1))
+    print("errors against the exact ground state of each run's space (its sector, or its selected space S), mHa;",
+          write_json(args.json, rows, threads=1, parallel=1))
 
 
 if __name__ == "__main__":

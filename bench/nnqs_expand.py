@@ -46,7 +46,8 @@ def continue_run(args: argparse.Namespace, variant: str) -> dict:
     space = SelectedSpace(ham)
     space.load_state(load_file(args.checkpoint / "selected.safetensors"))
     cfg = VMCConfig(steps=args.steps, samples=10**6, lr=args.lr, warmup=20, min_lr_ratio=0.1, anneal=0.0,
-                    betas=(0.9, 0.999), estimator="selected-sum", selected_expand=expand, selected_sign_fit=sign_fit, seed=args.seed)
+                    betas=(0.9, 0.999), estimator="selected-sum", selected_expand=expand, selected_sign_fit=sign_fit,
+                    seed=args.seed)
     opt = torch.optim.AdamW(wf.parameters(), lr=args.lr, betas=cfg.betas, weight_decay=0.0)
     trace, start = [], time.perf_counter()
     for step in range(args.steps):
@@ -76,7 +77,8 @@ def main() -> None:
             p.error(f"--variants: {variant!r} is not EXPAND:SIGN_FIT (two integers >= 0)")
     with ProcessPoolExecutor(len(args.variants), mp_context=get_context("spawn")) as pool:
         runs = list(pool.map(continue_run, [args] * len(args.variants), args.variants))
-    print(f"{'expand':>7} {'sign fit':>9} {'start mHa':>10} {'end mHa':>8} {'floor mHa':>10} {'|S| end':>8} {'s/step':>7}")
+    print(f"{'expand':>7} {'sign fit':>9} {'start mHa':>10} {'end mHa':>8} {'floor mHa':>10} {'|S| end':>8} "
+          f"{'s/step':>7}")
     for run in runs:
         first, last = run["trace"][0], run["trace"][-1]
         print(f"{run['expand']:>7} {run['sign_fit']:>9} {first['error_mha']:>10.3f} {last['error_mha']:>8.3f} "

@@ -27,8 +27,8 @@ from seqlab.nnqs.warm_start import (MAX_FIT_CONFIGS, METHODS as WARM_START_METHO
                                     target_state)
 from seqlab.runtime import atomic_write_text, progress as progress_bar
 from seqlab.runtime.dist import barrier, init_distributed, set_cpu_threads, shutdown
-from seqlab.runtime.memory import keep_freed_blocks
 from seqlab.runtime.files import ensure_writable_dir
+from seqlab.runtime.memory import keep_freed_blocks
 from seqlab.runtime.rundir import claim_run_dir
 from seqlab.runtime.signals import GracefulStop
 

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from seqlab.nnqs.ansatz import Wavefunction
+from seqlab.nnqs.warm_start import phase_mismatch
 from seqlab.runtime.schedule import warmup_cosine
 
 SIGN_FIT_LR = 3e-3  # peak Adam rate, cosine decay to 5 % over each fit
@@ -45,7 +46,7 @@ def fit_signs(wf: Wavefunction, tokens: Tensor, coeffs: np.ndarray, steps: int, 
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = warmup_cosine(step, max(steps - 1, 1), lr, 0, SIGN_FIT_MIN_LR_RATIO)
-        loss = (weight * (1 - torch.cos(wf.phase(tokens) - want))).sum()
+        loss = phase_mismatch(wf.phase(tokens), want, weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

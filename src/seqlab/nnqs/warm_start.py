@@ -191,7 +191,7 @@ def fit(wf: Wavefunction, target: TargetState, cfg: WarmStartConfig, progress: b
                 group["lr"] = warmup_cosine(step, cfg.steps - 1, cfg.lr, 0, cfg.min_lr_ratio)
             log_p, phase = wf(tokens)
             ce = -(weight * log_p).sum()
-            pl = (sign_weight * (1 - torch.cos(phase - want))).sum()
+            pl = phase_mismatch(phase, want, sign_weight)
             opt.zero_grad(set_to_none=True)
             (ce + pl).backward()
             opt.step()
@@ -201,6 +201,11 @@ def fit(wf: Wavefunction, target: TargetState, cfg: WarmStartConfig, progress: b
             "phase_weight": cfg.phase_weight, "cross_entropy": cross_entropy, "phase_loss": phase_loss,
             "overlap": overlap(wf, target), "target_energy": target.energy,
             "target_variational_energy": target.variational_energy}
+
+
+def phase_mismatch(phase: Tensor, want: Tensor, weight: Tensor) -> Tensor:
+    """sum w (1 - cos(phi - want)): zero exactly when every phase is its wanted one (mod 2 pi), smooth everywhere."""
+    return (weight * (1 - torch.cos(phase - want))).sum()
 
 
 @torch.no_grad()
