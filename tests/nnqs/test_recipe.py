@@ -27,6 +27,9 @@ def test_each_start_gets_its_own_recipe():
     assert recipe_for("ccsd", selected_sum=True) is SELECTED_SUM
     assert recipe_for("none", selected_sum=True) is RANDOM_START
     assert SELECTED_SUM.lr < WARM_START.lr and SELECTED_SUM.phase_lr_scale == 1.0 and SELECTED_SUM.rollback_after == 0
+    # ... and its steps are L-BFGS iterations with the signs refitted; the others keep AdamW and no sign fit
+    assert SELECTED_SUM.lbfgs and SELECTED_SUM.selected_sign_fit > 0
+    assert not WARM_START.lbfgs and not RANDOM_START.lbfgs and WARM_START.selected_sign_fit == 0
 
 
 def test_the_cli_knows_before_building_anything_whether_steps_take_the_selected_sum():

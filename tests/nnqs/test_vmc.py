@@ -56,6 +56,10 @@ def test_vmc_h2_reaches_chemical_accuracy_and_writes_result(tmp_path, capsys):
         assert name in table
 
 
+def steps_of(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "energies.jsonl").read_text().splitlines()]
+
+
 def test_cli_takes_the_selected_sum_recipe_where_the_steps_take_the_selected_sum(tmp_path, monkeypatch):
     """--estimator selected-sum (what auto takes past the sector fast path) brings its own defaults: the recipe that
     keeps the fitted state, its run length and the larger fit; explicit flags still win; result.json has the
@@ -69,12 +73,14 @@ def test_cli_takes_the_selected_sum_recipe_where_the_steps_take_the_selected_sum
     assert r["estimator"] == "selected-sum"
     assert (r["lr"], r["phase_lr_scale"], r["rollback_tol_mha"], r["rollback_after"]) == (1e-3, 1.0, 2.0, 0)
     assert r["selected_expand"] == 0 and r["e_fci"] - 1e-9 < r["selected_ci_energy"] <= r["selected_energy"]
-    assert r["selected_sign_fit"] == 0
+    # its steps are L-BFGS iterations, all of them, with the sign fit
+    assert (r["selected_sign_fit"], r["lbfgs_steps"], r["lbfgs_iters"]) == (3000, 2, 20)
     assert _cli([*argv, "--steps", "2", "--lr", "5e-4", "--rollback-after", "7", "--selected-expand", "30",
-                 "--selected-sign-fit", "25", "--out", str(tmp_path / "b")]) == 0
+                 "--selected-sign-fit", "25", "--lbfgs-steps", "0", "--out", str(tmp_path / "b")]) == 0
     r = json.loads((tmp_path / "b" / "result.json").read_text())
     assert (r["lr"], r["rollback_after"], r["selected_expand"], r["selected_sign_fit"]) == (5e-4, 7, 30, 25)
-    steps = [json.loads(line) for line in (tmp_path / "b" / "energies.jsonl").read_text().splitlines()]
+    assert r["lbfgs_steps"] == 0 and [row["lr"] for row in steps_of(tmp_path / "b")] != [1.0, 1.0]
+    steps = steps_of(tmp_path / "b")
     assert steps[0]["t_sign_fit"] > 0 and steps[1]["t_sign_fit"] == 0  # every 50 steps, from step 0
     with pytest.raises(ValueError, match="--selected-expand must be >= 0"):
         _cli([*argv, "--selected-expand", "-1", "--out", str(tmp_path / "c")])
@@ -286,10 +292,12 @@ def test_torchrun_two_processes_match_one(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_torchrun_selected_sum_takes_the_same_steps_as_one_process(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "lbfgs"])
+def test_torchrun_selected_sum_takes_the_same_steps_as_one_process(tmp_path, optimizer):
     """The selected sum on 2 ranks: both draw the same sample tree (the same space) and split its gradient set, so
-    the energies step by step are those of 1 process up to the float32 round-off of the summation order."""
-    flags = ("--estimator", "selected-sum", "--samples", "1e6")
+    the energies step by step are those of 1 process up to the float32 round-off of the summation order. With
+    L-BFGS steps (the last 10) every rank holds the same energy and all-reduced gradient, so the same line search."""
+    flags = ("--estimator", "selected-sum", "--samples", "1e6", "--lbfgs-steps", "10" if optimizer == "lbfgs" else "0")
     _torchrun(1, tmp_path / "one", 20, flags)
     two = _torchrun(2, tmp_path / "two", 20, flags)
     assert two["estimator"] == "selected-sum" and two["world_size"] == 2

@@ -96,10 +96,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"to {VMCConfig.selected_expand_max} in all (default {VMCConfig.selected_expand}: none; on "
                         "H2O/6-31G 5000 took the space's own floor from 0.88 to 0.19 mHa, but psi gained only "
                         "0.05 mHa more in 300 steps at 2.5x the step cost; see docs/nnqs.md)")
-    p.add_argument("--selected-sign-fit", type=int, default=VMCConfig.selected_sign_fit, metavar="N",
+    p.add_argument("--selected-sign-fit", type=int, default=None, metavar="N",
                    help=f"selected-sum: every {VMCConfig.selected_sign_fit_every} steps (from step 0) the phase "
                         "network takes N Adam steps towards the signs of H's lowest state on the space (default "
+                        f"{SELECTED_SUM.selected_sign_fit} with the selected sum's warm start, else "
                         f"{VMCConfig.selected_sign_fit}: never; see docs/nnqs.md)")
+    p.add_argument("--lbfgs-steps", type=int, default=None, metavar="N",
+                   help="exact and selected sum: the last N of the steps take L-BFGS iterations on the summed energy "
+                        "instead of AdamW steps (default: all of them with the selected sum's warm start, else none; "
+                        "see docs/nnqs.md)")
+    p.add_argument("--lbfgs-iters", type=int, default=VMCConfig.lbfgs_iters, metavar="K",
+                   help=f"L-BFGS iterations per step, each one or a few evaluations (default {VMCConfig.lbfgs_iters})")
     p.add_argument("--lr", type=float, default=None,
                    help=f"peak AdamW learning rate, then cosine decay (default {WARM_START.lr:g} after a warm start, "
                         f"{SELECTED_SUM.lr:g} after one with the selected sum, {RANDOM_START.lr:g} from a random "
@@ -213,6 +220,7 @@ def check_flags(args: argparse.Namespace) -> int | None:
                              ("--rollback-tol", args.rollback_tol, 0), ("--rollback-after", args.rollback_after, 0),
                              ("--selected-expand", args.selected_expand, 0),
                              ("--selected-sign-fit", args.selected_sign_fit, 0),
+                             ("--lbfgs-steps", args.lbfgs_steps, 0), ("--lbfgs-iters", args.lbfgs_iters, 1),
                              ("--d-model", args.d_model, 1), ("--layers", args.layers, 1), ("--heads", args.heads, 1),
                              ("--phase-hidden", args.phase_hidden, 1), ("--phase-layers", args.phase_layers, 1)):
         if value is not None and not value >= low:  # `not >=` also catches NaN
@@ -233,7 +241,7 @@ def check_flags(args: argparse.Namespace) -> int | None:
 def fill_recipe(args: argparse.Namespace, recipe: Recipe) -> None:
     """Optimiser flags left out take the values that go with the start actually made (``nnqs.recipe``)."""
     for name in ("lr", "warmup", "anneal", "min_lr_ratio", "phase_lr_scale", "beta2", "rollback_tol",
-                 "rollback_after"):
+                 "rollback_after", "selected_sign_fit"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(recipe, "rollback_tol_mha" if name == "rollback_tol" else name))
 
@@ -267,7 +275,7 @@ def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, a
         "min_lr_ratio": args.min_lr_ratio, "phase_lr_scale": args.phase_lr_scale, "beta2": args.beta2,
         "anneal": args.anneal, "sr": args.sr, "rollback_tol_mha": args.rollback_tol,
         "rollback_after": args.rollback_after, "rollbacks": res.rollbacks, "selected_expand": args.selected_expand,
-        "selected_sign_fit": args.selected_sign_fit,
+        "selected_sign_fit": args.selected_sign_fit, "lbfgs_steps": args.lbfgs_steps, "lbfgs_iters": args.lbfgs_iters,
         "warm_start": res.warm_start, "kv_cache": not args.no_cache, "wall_time_s": wall_s, "cpu_time_s": cpu_s,
         "vmc_time_s": res.wall_time_s,
         "reference_time_s": t_ref, "notes": refs.notes,
@@ -306,11 +314,14 @@ def run(args: argparse.Namespace) -> int:
             args.warm_start_max_configs = SELECTED_SUM_FIT_CONFIGS if selected_sum else MAX_FIT_CONFIGS
         warm = target_state(args.warm_start, system.mf, ham.n_orb, ham.n_alpha, ham.n_beta, perturb=args.warm_start_pt,
                             max_configs=args.warm_start_max_configs)
-        fill_recipe(args, recipe_for("none" if warm is None else warm.method, selected_sum))
+        recipe = recipe_for("none" if warm is None else warm.method, selected_sum)
+        fill_recipe(args, recipe)
         samples = samples or default_samples(n_conf, VMCConfig.sector_max, args.estimator)
         if args.steps is None:  # a resumed run keeps the length it was started with
             args.steps = ((checkpointed_steps(out) if args.resume else None)
                           or default_steps(n_conf, selected_sum))
+        if args.lbfgs_steps is None:
+            args.lbfgs_steps = args.steps if recipe.lbfgs else 0
         cfg = VMCConfig(steps=args.steps, samples=samples, lr=args.lr,
                         samples_final=None if args.samples_final is None else int(args.samples_final),
                         warmup=args.warmup, anneal=args.anneal, min_lr_ratio=args.min_lr_ratio,
@@ -319,7 +330,8 @@ def run(args: argparse.Namespace) -> int:
                         exact_max_configs=args.exact_max_configs, sr=args.sr, seed=args.seed,
                         checkpoint_every=args.checkpoint_every, rollback_tol_mha=args.rollback_tol,
                         rollback_after=args.rollback_after, selected_expand=args.selected_expand,
-                        selected_sign_fit=args.selected_sign_fit,
+                        selected_sign_fit=args.selected_sign_fit, lbfgs_steps=args.lbfgs_steps,
+                        lbfgs_iters=args.lbfgs_iters,
                         sampler=SamplerConfig(use_cache=not args.no_cache, max_batch=args.max_batch))
         ansatz = AnsatzConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                               phase_hidden=args.phase_hidden, phase_layers=args.phase_layers)

@@ -19,6 +19,7 @@ import torch
 from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
 from seqlab.nnqs.evaluate import evaluate_energy
 from seqlab.nnqs.hamiltonian import Hamiltonian
+from seqlab.nnqs.lbfgs import build_lbfgs, lbfgs_step, reset_history
 from seqlab.nnqs.step_guard import StepGuard
 from seqlab.nnqs.vmc import HARTREE_TO_MHA, StepStats, VMCConfig, build_sector, build_selected, initial_temperature, \
     uses_exact_sum, vmc_step
@@ -110,6 +111,9 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
         selected.add(warm_start.keys)
     estimator = "exact-sum" if exact else "selected-sum" if selected is not None else "sampled"
     guard.active = estimator != "sampled" and cfg.anneal == 0  # only an exact, unannealed energy can be judged
+    if cfg.lbfgs_steps and estimator == "sampled":
+        raise ValueError("VMCConfig.lbfgs_steps: L-BFGS needs a summed energy (the exact or selected sum), not samples")
+    lbfgs = build_lbfgs(wf, cfg) if cfg.lbfgs_steps else None
     log = Logbook(out / LOG if out is not None else Path(LOG), resume_step=start_step - 1 if start_step else None,
                   tensorboard_dir=tensorboard, enabled=out is not None and dist.is_main)
     records = log.rows() if log.enabled else []
@@ -118,10 +122,15 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     with log:
         for step in range(start_step, cfg.steps):
             guard.before_step(step, wf, opt)
-            st = vmc_step(wf, ham, opt, cfg, step, dist, t0, sector, selected)
+            if lbfgs is not None and step >= cfg.steps - cfg.lbfgs_steps:
+                st = lbfgs_step(wf, lbfgs, cfg, step, dist, sector if exact else None, selected)
+            else:
+                st = vmc_step(wf, ham, opt, cfg, step, dist, t0, sector, selected)
             rec = asdict(st)
             if guard.after_step(step, st.energy, wf, opt):
                 rec["rolled_back_to"] = guard.best_step
+                if lbfgs is not None:
+                    reset_history(lbfgs)
             rec["wall_time_s"] = time.perf_counter() - t_start
             if e_ref is not None:
                 rec["error_mha"] = (st.energy - e_ref) * HARTREE_TO_MHA

@@ -16,8 +16,10 @@ single defaults in ``VMCConfig``:
   long warmup (40 steps) and beta2 0.999 let Adam's second moments settle before the full rate is reached, and the
   cosine ends at 2 % of it, where the last mHa are gained without the oscillation of a constant rate.
 - **Warm start past the sector fast path** (the selected sum, ``SELECTED_SUM``): a step costs seconds, so the
-  fitted state cannot be thrown away and won back as on N2. The phase MLP at 1x and half the rate, with the step
-  guard from step 0, descend from the fitted state where ``WARM_START`` set it oscillating from the first step.
+  fitted state cannot be thrown away and won back as on N2. Its steps are L-BFGS iterations on the summed energy
+  (``lbfgs.py``), which descend from the fitted state at every evaluation, with the signs refitted to the space's
+  own lowest state; for AdamW steps (``--lbfgs-steps 0``) the phase MLP at 1x and half the rate, with the step
+  guard from step 0, descend where ``WARM_START`` set the state oscillating from the first step.
 
 The number of steps grows with the sector (``default_steps``), because the cosine decay has to be stretched over
 enough steps for the last mHa: LiH and H2O (225 and 441 determinants) end at 0.03-0.3 mHa after 400 steps, NH3
@@ -42,6 +44,8 @@ class Recipe:
     min_lr_ratio: float
     rollback_tol_mha: float = VMCConfig.rollback_tol_mha  # the step guard (step_guard.py): tolerance and first
     rollback_after: int = VMCConfig.rollback_after  # step watched; VMCConfig's unless a recipe says otherwise
+    lbfgs: bool = False  # every step takes L-BFGS iterations instead of an AdamW step (lbfgs.py)
+    selected_sign_fit: int = VMCConfig.selected_sign_fit  # phase-fit steps per refit (sign_fit.py)
 
 
 RANDOM_START = Recipe(lr=5e-3, warmup=20, anneal=0.07, phase_lr_scale=10.0, beta2=0.99, min_lr_ratio=0.05)
@@ -50,8 +54,12 @@ WARM_START = Recipe(lr=2e-3, warmup=40, anneal=0.0, phase_lr_scale=10.0, beta2=0
 # the rate, with the guard watching from step 0 at 2 mHa. On H2O/6-31G from the same fitted state (7 108
 # configurations) WARM_START's phase MLP at 10x set the energy oscillating from the first step (8 -> 62 mHa by step
 # 40) and ended at 2.84 mHa after 1 500 steps; this recipe descended from the start and ended at 2.31 (docs/nnqs.md)
+# Its steps are L-BFGS iterations on the selected sum (VMCConfig.lbfgs_iters each) with the phase network refitted
+# to the space's own signs every selected_sign_fit_every steps: from the same fitted state, 51 such steps reached
+# 2.16 mHa over S in 53 minutes in all, where AdamW's 1 500 steps took 72.5 minutes to 2.31 (docs/nnqs.md). The
+# AdamW settings above still serve a run given --lbfgs-steps below --steps.
 SELECTED_SUM = Recipe(lr=1e-3, warmup=40, anneal=0.0, phase_lr_scale=1.0, beta2=0.999, min_lr_ratio=0.02,
-                      rollback_tol_mha=2.0, rollback_after=0)
+                      rollback_tol_mha=2.0, rollback_after=0, lbfgs=True, selected_sign_fit=3000)
 
 
 # N_s per step where the sector is too large for the exact sum (VMCConfig.sector_max): each unique sample costs a
@@ -69,9 +77,10 @@ SELECTED_SAMPLES = 10**6
 # (determinants in the (N_alpha, N_beta) sector up to which, VMC steps); larger sectors get LONG_RUN_STEPS
 STEPS_BY_SECTOR = ((999, 400), (9_999, 1000))
 LONG_RUN_STEPS = 2500
-# the selected sum: a step costs ~2 s on H2O/6-31G (S ~ 9 000-10 000), so 1 500 steps and the fit below took 72.5
-# minutes in all on 2 cores
-SELECTED_SUM_STEPS = 1500
+# the selected sum: 51 L-BFGS steps of 20 iterations, ~36 s each on H2O/6-31G (S ~ 8 000) on one thread, with the
+# sign fit at steps 0 and 50 (the 51st step follows the last refit); with the fit below 53 minutes in all. AdamW's
+# 1 500 steps (~2 s each) were the default before, 72.5 minutes in all on 2 cores
+SELECTED_SUM_STEPS = 51
 # the selected sum fits the warm-start state's 8 192 largest configurations (MAX_FIT_CONFIGS elsewhere): H2O/6-31G's
 # CCSD+pt has 7 108 above |c|^2 = 1e-8, and fitted on all of them VMC starts at 8 mHa instead of 14 (a 24-minute fit)
 SELECTED_SUM_FIT_CONFIGS = 8192

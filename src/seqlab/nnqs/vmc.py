@@ -85,6 +85,12 @@ class VMCConfig:
     # towards the signs of H's ground state on the space (``sign_fit.py``); 0: never
     selected_sign_fit: int = 0
     selected_sign_fit_every: int = 50
+    # exact and selected sum: the last ``lbfgs_steps`` of the ``steps`` take ``lbfgs_iters`` L-BFGS iterations each
+    # (strong-Wolfe line search, ``lbfgs_history`` curvature pairs) on the summed energy instead of an AdamW step
+    # (lbfgs.py); 0: AdamW throughout
+    lbfgs_steps: int = 0
+    lbfgs_iters: int = 20
+    lbfgs_history: int = 50
     # sampled: past this many unique samples the gradient is re-evaluated in chunks of this size (memory of one
     # chunk's activations, ~0.1 MB per configuration; all of a 1.7 M sector's samples at once would need ~20 GB)
     grad_chunk: int = 16384
@@ -126,7 +132,8 @@ class VMCConfig:
             raise ValueError(f"VMCConfig.samples_final: must be >= samples ({self.samples}), got {self.samples_final}")
         for name, low in (("steps", 1), ("samples", 1), ("grad_chunk", 1), ("checkpoint_every", 1), ("keep_last", 0),
                           ("selected_expand", 0), ("selected_expand_every", 1), ("selected_expand_max", 0),
-                          ("selected_sign_fit", 0), ("selected_sign_fit_every", 1),
+                          ("selected_sign_fit", 0), ("selected_sign_fit_every", 1), ("lbfgs_steps", 0),
+                          ("lbfgs_iters", 1), ("lbfgs_history", 1),
                           ("warmup", 0), ("anneal", 0), ("rollback_tol_mha", 0), ("rollback_after", 0)):
             if not getattr(self, name) >= low:  # `not >=` also refuses NaN
                 raise ValueError(f"VMCConfig.{name}: must be >= {low}, got {getattr(self, name)}")
@@ -288,18 +295,7 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
             a = a + temp * (lp - sums[0] / sums[1])  # (exact sum: the mean over the gradient set)
         if len(tokens):
             backward_surrogate(wf, tokens, logp, phase, w * a, w * 2 * de.imag, cfg.grad_chunk)
-    params = list(wf.parameters())
-    for p in params:  # a rank whose share of the tree is empty still joins the all-reduce
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    flat = torch.cat([p.grad.flatten() for p in params])
-    all_reduce_sum(flat, dist)
-    if cfg.grad_clip:  # global-norm clipping (same on every rank: after the all-reduce)
-        flat.mul_(min(1.0, cfg.grad_clip / (float(flat.norm()) + 1e-12)))
-    offset = 0
-    for p in params:
-        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
-        offset += p.numel()
+    reduce_gradients(wf, dist, cfg.grad_clip)
     lr = lr_at(cfg, step)
     for group in opt.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
@@ -307,6 +303,24 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
     t3 = time.perf_counter()
     return StepStats(step, e_re, e_im, sigma, var, int(n_unique), lr, t1 - t_0 - t_sign_fit, t2 - t1, t3 - t2,
                      temperature_at(cfg, step, t0), tail, n_selected, t_sign_fit)
+
+
+def reduce_gradients(wf: Wavefunction, dist: DistInfo, clip: float | None = None) -> Tensor:
+    """Sum every rank's gradient into every rank's ``.grad`` (then clip the global norm to ``clip``, the same on every
+    rank); returns the flat gradient."""
+    params = list(wf.parameters())
+    for p in params:  # a rank whose share of the tree is empty still joins the all-reduce
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.flatten() for p in params])
+    all_reduce_sum(flat, dist)
+    if clip:
+        flat.mul_(min(1.0, clip / (float(flat.norm()) + 1e-12)))
+    offset = 0
+    for p in params:
+        p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return flat
 
 
 def fit_space_signs(wf: Wavefunction, selected: SelectedSpace, steps: int, dist: DistInfo) -> None:
