@@ -89,6 +89,8 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     sector = build_sector(ham, cfg, dist)
     exact = uses_exact_sum(cfg, sector)
     selected = None if exact else build_selected(ham, cfg)  # before the checkpoint, which may restore it
+    if cfg.lbfgs_steps and not exact and selected is None:  # before the warm-start fit, which may take minutes
+        raise ValueError("VMCConfig.lbfgs_steps: L-BFGS needs a summed energy (the exact or selected sum), not samples")
     if checkpoint is not None:
         start_step, t0, restored = load_checkpoint(store, checkpoint, wf, opt, guard, ham, selected)
     warm = None
@@ -111,8 +113,6 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
         selected.add(warm_start.keys)
     estimator = "exact-sum" if exact else "selected-sum" if selected is not None else "sampled"
     guard.active = estimator != "sampled" and cfg.anneal == 0  # only an exact, unannealed energy can be judged
-    if cfg.lbfgs_steps and estimator == "sampled":
-        raise ValueError("VMCConfig.lbfgs_steps: L-BFGS needs a summed energy (the exact or selected sum), not samples")
     lbfgs = build_lbfgs(wf, cfg) if cfg.lbfgs_steps else None
     log = Logbook(out / LOG if out is not None else Path(LOG), resume_step=start_step - 1 if start_step else None,
                   tensorboard_dir=tensorboard, enabled=out is not None and dist.is_main)
