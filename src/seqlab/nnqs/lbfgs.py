@@ -6,7 +6,7 @@ of the parameters over a fixed space, which is what quasi-Newton methods are bui
 does not see the curvature of a state fitted close to its target: from the final state of the H2O/6-31G selected-sum
 run (docs/nnqs.md, run 5), where AdamW's last 500 steps gained 0.09 mHa, L-BFGS with a strong-Wolfe line search
 descended at every evaluation, 0.13 mHa in its first 100 at the cost of an AdamW step each; from the fitted state
-it matched AdamW's 1 500 steps in 51 steps of 20 iterations and 22 % less time. It is the natural-gradient
+it matched AdamW's 1 500 steps in 51 steps of 20 iterations and 21 % less time. It is the natural-gradient
 direction's curvature bought cheaply: no Jacobian, a history of gradient differences.
 
 A step here samples into the selected space (as ``vmc_step`` does), refits the signs when the sign fit is due, then
@@ -25,11 +25,9 @@ import torch
 from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.nnqs.exact_sum import ExactSum, exact_sum, subspace_sum
 from seqlab.nnqs.local_energy import SectorHamiltonian
-from seqlab.nnqs.sampler import sample
 from seqlab.nnqs.selected_space import SelectedSpace
-from seqlab.nnqs.space import tokens_to_keys
-from seqlab.nnqs.vmc import (StepStats, VMCConfig, backward_surrogate, fit_space_signs, make_evaluator,
-                             reduce_gradients, samples_at, step_generators)
+from seqlab.nnqs.vmc import (StepStats, VMCConfig, backward_surrogate, make_evaluator, prune_and_expand,
+                             reduce_gradients, refit_signs_and_sample)
 from seqlab.runtime.dist import DistInfo
 
 
@@ -54,13 +52,9 @@ def lbfgs_step(wf: Wavefunction, opt: torch.optim.LBFGS, cfg: VMCConfig, step: i
     t_0 = time.perf_counter()
     t_sign_fit = 0.0
     if selected is not None:
-        if cfg.selected_sign_fit and step % cfg.selected_sign_fit_every == 0 and len(selected):
-            fit_space_signs(wf, selected, cfg.selected_sign_fit, dist)
+        t_sign_fit = refit_signs_and_sample(wf, selected, cfg, step, dist)
+        if t_sign_fit:
             reset_history(opt)
-            t_sign_fit = time.perf_counter() - t_0
-        shared, _ = step_generators(cfg.seed, step, 0)
-        s = sample(wf, samples_at(cfg, step), shared, cfg.sampler)  # every rank draws the same tree: the same S
-        selected.add(tokens_to_keys(s.tokens))
     t1 = time.perf_counter()
     summed = selected.keys if selected is not None else None  # the space stays as it is until the iterations end
     evaluations: list[tuple[ExactSum, torch.Tensor | None]] = []
@@ -89,12 +83,8 @@ def lbfgs_step(wf: Wavefunction, opt: torch.optim.LBFGS, cfg: VMCConfig, step: i
 
     opt.step(closure)
     first, (last, last_log_psi) = evaluations[0][0], evaluations[-1]
-    if selected is not None:  # from the last evaluation, over the space as it was summed
-        selected.keep(last.probabilities >= cfg.selected_min_prob)
-        room = cfg.selected_expand_max - len(selected.pinned)
-        if cfg.selected_expand and step % cfg.selected_expand_every == 0 and room > 0:
-            selected.expand(summed, last_log_psi, last.energy.real, min(cfg.selected_expand, room))
-            reset_history(opt)
+    if selected is not None and prune_and_expand(selected, cfg, step, summed, last_log_psi, last):
+        reset_history(opt)
     t2 = time.perf_counter()
     energy = first.energy  # t_local_energy: the evaluations' sums (and pruning); t_backward: their gradients
     n_selected = len(first.probabilities) if selected is not None else 0

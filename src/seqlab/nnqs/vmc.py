@@ -32,7 +32,7 @@ from torch import Tensor
 
 from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.nnqs.hamiltonian import Hamiltonian
-from seqlab.nnqs.exact_sum import exact_sum, sector_log_psi, subspace_sum
+from seqlab.nnqs.exact_sum import ExactSum, exact_sum, sector_log_psi, subspace_sum
 from seqlab.nnqs.local_energy import MODES, PsiTable, SectorHamiltonian, local_energy
 from seqlab.nnqs.sampler import SamplerConfig, sample, tree_log_prob
 from seqlab.nnqs.selected_space import SelectedSpace
@@ -243,22 +243,14 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
     t_0 = time.perf_counter()
     tail, n_selected, t_sign_fit = 0.0, 0, 0.0
     if selected is not None:
-        if cfg.selected_sign_fit and step % cfg.selected_sign_fit_every == 0 and len(selected):
-            fit_space_signs(wf, selected, cfg.selected_sign_fit, dist)
-            t_sign_fit = time.perf_counter() - t_0
-        shared, _ = step_generators(cfg.seed, step, 0)
-        s = sample(wf, samples_at(cfg, step), shared, cfg.sampler)  # every rank draws the same tree: the same S
-        selected.add(tokens_to_keys(s.tokens))
+        t_sign_fit = refit_signs_and_sample(wf, selected, cfg, step, dist)
         t1 = time.perf_counter()
         summed = selected.keys
         log_psi = make_evaluator(wf)(summed)
         ex = subspace_sum(log_psi, selected.hamiltonian(), cfg.exact_tail, cfg.exact_max_configs, dist.rank,
                           dist.world_size)
         n_selected = len(ex.probabilities)
-        selected.keep(ex.probabilities >= cfg.selected_min_prob)  # for the next step; this one sums over all
-        room = cfg.selected_expand_max - len(selected.pinned)
-        if cfg.selected_expand and step % cfg.selected_expand_every == 0 and room > 0:
-            selected.expand(summed, log_psi, ex.energy.real, min(cfg.selected_expand, room))
+        prune_and_expand(selected, cfg, step, summed, log_psi, ex)  # for the next step; this one sums over all
         tokens, w, eloc, tail = ex.tokens, ex.weights, ex.eloc, ex.tail_mass
         (e_re, e_im), var, n_unique, sigma = (ex.energy.real, ex.energy.imag), ex.variance, ex.n_kept, 0.0
         logp, phase = wf(tokens) if len(tokens) else (torch.zeros(0), torch.zeros(0))
@@ -305,9 +297,36 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
                      temperature_at(cfg, step, t0), tail, n_selected, t_sign_fit)
 
 
-def reduce_gradients(wf: Wavefunction, dist: DistInfo, clip: float | None = None) -> Tensor:
+def refit_signs_and_sample(wf: Wavefunction, selected: SelectedSpace, cfg: VMCConfig, step: int,
+                           dist: DistInfo) -> float:
+    """A selected-sum step's start: the sign fit when it is due, then N_s samples join S; returns the fit's seconds
+    (0 when there was none)."""
+    t_sign_fit = 0.0
+    if cfg.selected_sign_fit and step % cfg.selected_sign_fit_every == 0 and len(selected):
+        t_fit = time.perf_counter()
+        fit_space_signs(wf, selected, cfg.selected_sign_fit, dist)
+        t_sign_fit = time.perf_counter() - t_fit
+    shared, _ = step_generators(cfg.seed, step, 0)
+    s = sample(wf, samples_at(cfg, step), shared, cfg.sampler)  # every rank draws the same tree: the same S
+    selected.add(tokens_to_keys(s.tokens))
+    return t_sign_fit
+
+
+def prune_and_expand(selected: SelectedSpace, cfg: VMCConfig, step: int, summed: Tensor, log_psi: Tensor,
+                     ex: ExactSum) -> bool:
+    """A selected-sum step's end, from psi over the space as it was summed (``summed``, ``log_psi``, ``ex``): drop
+    the improbable configurations and, when due, expand; returns whether it expanded."""
+    selected.keep(ex.probabilities >= cfg.selected_min_prob)
+    room = cfg.selected_expand_max - len(selected.pinned)
+    if not (cfg.selected_expand and step % cfg.selected_expand_every == 0 and room > 0):
+        return False
+    selected.expand(summed, log_psi, ex.energy.real, min(cfg.selected_expand, room))
+    return True
+
+
+def reduce_gradients(wf: Wavefunction, dist: DistInfo, clip: float | None = None) -> None:
     """Sum every rank's gradient into every rank's ``.grad`` (then clip the global norm to ``clip``, the same on every
-    rank); returns the flat gradient."""
+    rank)."""
     params = list(wf.parameters())
     for p in params:  # a rank whose share of the tree is empty still joins the all-reduce
         if p.grad is None:
@@ -320,7 +339,6 @@ def reduce_gradients(wf: Wavefunction, dist: DistInfo, clip: float | None = None
     for p in params:
         p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
         offset += p.numel()
-    return flat
 
 
 def fit_space_signs(wf: Wavefunction, selected: SelectedSpace, steps: int, dist: DistInfo) -> None:
