@@ -195,6 +195,19 @@ def test_the_space_starts_with_the_warm_start_support(system):
     assert len(target.keys) > 10 and res.records[0]["n_selected"] >= len(target.keys)
 
 
+def test_pinned_configurations_survive_the_prune_and_a_checkpoint(system):
+    ham = system("lih").hamiltonian
+    keys = tokens_to_keys(all_configurations(ham.n_orb, ham.n_alpha, ham.n_beta))
+    space = SelectedSpace(ham)
+    space.add(keys[:30])
+    assert space.pin(keys[20:40]) == 10 and space.n_expanded == 0
+    assert space.keep(torch.zeros(len(space), dtype=torch.bool)) == 20
+    assert torch.equal(space.keys, keys[20:40]) and torch.equal(space.pinned, keys[20:40])
+    again = SelectedSpace(ham)
+    again.load_state(space.state())
+    assert torch.equal(again.pinned, keys[20:40]) and again.n_expanded == 0
+
+
 def test_the_ground_state_of_the_space_is_the_dense_blocks_lowest_eigenvector(system):
     ham = system("h2o").hamiltonian
     space = SelectedSpace(ham)

@@ -36,7 +36,8 @@ class SelectedSpace:
         self.rows = torch.empty(0, dtype=torch.int64)  # element k is H[rows[k], cols[k]] = values[k], by key
         self.cols = torch.empty(0, dtype=torch.int64)
         self.values = torch.empty(0, dtype=torch.float64)
-        self.pinned = torch.empty(0, dtype=torch.int64)  # keys added by ``expand``: never pruned by ``keep``
+        self.pinned = torch.empty(0, dtype=torch.int64)  # keys added by ``pin`` (``expand``'s): never pruned by ``keep``
+        self.n_expanded = 0  # how many of them ``expand`` added (its cap counts these only)
         self._matrix: SubspaceHamiltonian | None = None
 
     def __len__(self) -> int:
@@ -71,8 +72,13 @@ class SelectedSpace:
         self._matrix = None
         return len(new)
 
+    def pin(self, keys: Tensor) -> int:
+        """Add configurations that ``keep`` never prunes; returns how many joined."""
+        self.pinned = torch.unique(torch.cat((self.pinned, keys.to(torch.int64))))
+        return self.add(keys)
+
     def keep(self, mask: Tensor) -> int:
-        """Keep only the configurations where ``mask`` [len(S)] is true, or which ``expand`` pinned (and their
+        """Keep only the configurations where ``mask`` [len(S)] is true, or which ``pin`` pinned (and their
         elements); returns how many left."""
         mask = mask | find_keys(self.pinned, self.keys)[1]
         gone = int((~mask).sum())
@@ -114,26 +120,28 @@ class SelectedSpace:
         # -(second-order energy); |H_xx - E| where psi is still far from the ground state and some H_xx lie below E
         gain = h_psi.abs().pow(2) / (diagonal - energy).abs().clamp_min(1e-12)
         new = outside[torch.topk(gain, min(k, len(outside))).indices]
-        self.pinned = torch.sort(torch.cat((self.pinned, new))).values
-        return self.add(new)
+        self.n_expanded += len(new)
+        return self.pin(new)
 
     def state(self) -> dict[str, Tensor]:
         """The space and its elements as tensors, for a checkpoint: a resumed run sums over the same S (rebuilding
         it from the warm-start support would let the first resumed steps see another space)."""
         return {"keys": self.keys, "rows": self.rows, "cols": self.cols, "values": self.values,
-                "pinned": self.pinned}
+                "pinned": self.pinned, "n_expanded": torch.tensor(self.n_expanded)}
 
     def load_state(self, tensors: dict[str, Tensor]) -> None:
         """Restore what ``state`` returned (a checkpoint's tensors are sha256-verified before they get here; those
-        written before ``expand`` existed have no pinned keys)."""
+        written before ``expand`` existed have no pinned keys, and before ``pin`` only expanded ones)."""
         keys, rows, cols, values = (tensors[name] for name in ("keys", "rows", "cols", "values"))
         pinned = tensors.get("pinned", torch.empty(0, dtype=torch.int64))
+        n_expanded = int(tensors.get("n_expanded", torch.tensor(len(pinned))))
         if not (len(rows) == len(cols) == len(values)) or bool((keys[1:] <= keys[:-1]).any()):
             raise ValueError("SelectedSpace.load_state: keys not strictly sorted or element arrays of unequal length")
         if not bool(find_keys(keys, pinned)[1].all()):
             raise ValueError("SelectedSpace.load_state: pinned keys that are not in the space")
         self.keys, self.rows, self.cols, self.values, self.pinned = (
             t.clone() for t in (keys, rows, cols, values, pinned))
+        self.n_expanded = n_expanded
         self._matrix = None
 
     def hamiltonian(self) -> SubspaceHamiltonian:

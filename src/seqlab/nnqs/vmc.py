@@ -317,7 +317,7 @@ def prune_and_expand(selected: SelectedSpace, cfg: VMCConfig, step: int, summed:
     """A selected-sum step's end, from psi over the space as it was summed (``summed``, ``log_psi``, ``ex``): drop
     the improbable configurations and, when due, expand; returns whether it expanded."""
     selected.keep(ex.probabilities >= cfg.selected_min_prob)
-    room = cfg.selected_expand_max - len(selected.pinned)
+    room = cfg.selected_expand_max - selected.n_expanded
     if not (cfg.selected_expand and step % cfg.selected_expand_every == 0 and room > 0):
         return False
     selected.expand(summed, log_psi, ex.energy.real, min(cfg.selected_expand, room))
