@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import numpy as np
 import torch
 
@@ -12,7 +13,9 @@ from seqlab.nnqs.local_energy import SectorHamiltonian
 from seqlab.nnqs.selected_space import SelectedSpace
 from seqlab.nnqs.sign_fit import fit_signs, sign_targets
 from seqlab.nnqs.space import all_configurations, tokens_to_keys
-from seqlab.nnqs.vmc import VMCConfig, build_selected, make_evaluator, vmc_step
+from seqlab.nnqs.sampler import sample
+from seqlab.nnqs.vmc import (VMCConfig, build_selected, make_evaluator, refit_signs_and_sample, step_generators,
+                             vmc_step)
 from seqlab.nnqs.warm_start import WarmStartConfig, target_state
 from seqlab.runtime.dist import DistInfo
 
@@ -96,6 +99,31 @@ def test_selected_steps_expand_the_space_every_so_many_steps_up_to_the_cap(syste
         vmc_step(wf, ham, opt, cfg, step, DistInfo(), selected=space)
         pinned.append(len(space.pinned))
     assert pinned == [10, 15, 15] and bool(space.contains(space.pinned).all())
+
+
+def test_at_most_join_max_new_configurations_join_a_step_the_most_drawn_first(system):
+    """VMCConfig.selected_join_max bounds what one step's samples add (a step that leaked psi's weight off S once
+    brought in enough configurations to exhaust memory); those that join are the most often drawn, the rest are
+    counted, and the outside mass is 1 - sum over S of P."""
+    ham = system("lih").hamiltonian
+    torch.manual_seed(6)
+    wf = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta, TINY)
+    free = VMCConfig(steps=1, samples=10**4, warmup=0, anneal=0.0, estimator="selected-sum")
+    capped = VMCConfig(steps=1, samples=10**4, warmup=0, anneal=0.0, estimator="selected-sum", selected_join_max=7)
+    _, joined, skipped = refit_signs_and_sample(wf, build_selected(ham, free), free, 0, DistInfo())
+    assert joined > 7 and skipped == 0
+    space = build_selected(ham, capped)
+    _, joined, skipped = refit_signs_and_sample(wf, space, capped, 0, DistInfo())
+    assert (joined, skipped) == (7, skipped) and joined + skipped > 7 and len(space) == 7
+    drawn = sample(wf, capped.samples, step_generators(capped.seed, 0, 0)[0], capped.sampler)
+    counts = dict(zip(tokens_to_keys(drawn.tokens).tolist(), drawn.counts.tolist()))
+    assert min(counts[k] for k in space.keys.tolist()) >= max(c for k, c in counts.items() if k not in space.keys)
+    before = copy.deepcopy(wf)  # the step's stats are psi's before its update
+    st = vmc_step(wf, ham, torch.optim.SGD(wf.parameters(), lr=1e-3), capped, 0, DistInfo(), selected=space)
+    assert st.n_joined == 7 and st.n_join_skipped > 0 and len(space) == st.n_selected == 14  # nothing pruned
+    sector = SectorHamiltonian(ham, progress=False).keys
+    outside = sector[~space.contains(sector)]
+    assert abs(st.outside_mass - float(torch.exp(2 * make_evaluator(before)(outside).real).sum())) < 1e-7
 
 
 def test_selected_sum_over_the_whole_sector_is_the_exact_sum(system):
@@ -193,6 +221,21 @@ def test_the_space_starts_with_the_warm_start_support(system):
     res = run_vmc(ham, VMCConfig(steps=1, samples=10, estimator="selected-sum", seed=1), TINY, warm_start=target,
                   warm_start_cfg=WarmStartConfig(steps=5))
     assert len(target.keys) > 10 and res.records[0]["n_selected"] >= len(target.keys)
+
+
+def test_the_warm_start_support_stays_in_the_space_when_pinned(system):
+    """VMCConfig.selected_pin_warm_start: with a prune that keeps only configurations of P >= 0.5 the fitted
+    state's support leaves the space after the first step, unless it is pinned."""
+    s = system("lih")
+    ham = s.hamiltonian
+    target = target_state("ccsd", s.mf, ham.n_orb, ham.n_alpha, ham.n_beta)
+    sizes = {}
+    for pin in (False, True):
+        cfg = VMCConfig(steps=2, samples=10, estimator="selected-sum", seed=1, selected_min_prob=0.5,
+                        selected_pin_warm_start=pin)
+        res = run_vmc(ham, cfg, TINY, warm_start=target, warm_start_cfg=WarmStartConfig(steps=5))
+        sizes[pin] = [r["n_selected"] for r in res.records]
+    assert sizes[True][1] >= len(target.keys) > 10 > sizes[False][1]
 
 
 def test_pinned_configurations_survive_the_prune_and_a_checkpoint(system):

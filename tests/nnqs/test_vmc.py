@@ -41,7 +41,7 @@ def test_vmc_h2_reaches_chemical_accuracy_and_writes_result(tmp_path, capsys):
     # the defaults: a CCSD warm start (exact for two electrons) and the exact sum over the sector
     assert r["estimator"] == "exact-sum" and r["warm_start"]["method"] == "ccsd+pt" and r["anneal"] == 0.0
     assert (r["lr"], r["beta2"], r["phase_lr_scale"]) == (2e-3, 0.999, 10.0)
-    assert (r["rollback_tol_mha"], r["rollback_after"]) == (10.0, 200)
+    assert (r["rollback_tol_mha"], r["rollback_after"], r["checkpoint_every"]) == (10.0, 200, 100)
     assert abs(r["error_mha"]) < CHEMICAL_ACCURACY_MHA
     assert r["energy"] >= r["e_fci"] - 1e-9  # an exact expectation value is variational
     lines = (tmp_path / "energies.jsonl").read_text().splitlines()
@@ -75,10 +75,14 @@ def test_cli_takes_the_selected_sum_recipe_where_the_steps_take_the_selected_sum
     assert r["selected_expand"] == 0 and r["e_fci"] - 1e-9 < r["selected_ci_energy"] <= r["selected_energy"]
     # its steps are L-BFGS iterations, all of them, with the sign fit
     assert (r["selected_sign_fit"], r["lbfgs_steps"], r["lbfgs_iters"]) == (3000, 2, 20)
-    assert _cli([*argv, "--steps", "2", "--lr", "5e-4", "--rollback-after", "7", "--selected-expand", "30",
+    assert r["checkpoint_every"] == 5  # a step costs ~35 s on H2O/6-31G
+    rows = steps_of(tmp_path / "a")  # with what the space cannot see, and what joined it
+    assert all(0 <= row["outside_mass"] < 1 and row["n_join_skipped"] == 0 for row in rows) and rows[0]["n_joined"] > 0
+    assert _cli([*argv, "--steps", "2", "--checkpoint-every", "1", "--lr", "5e-4", "--rollback-after", "7", "--selected-expand", "30",
                  "--selected-sign-fit", "25", "--lbfgs-steps", "0", "--out", str(tmp_path / "b")]) == 0
     r = json.loads((tmp_path / "b" / "result.json").read_text())
     assert (r["lr"], r["rollback_after"], r["selected_expand"], r["selected_sign_fit"]) == (5e-4, 7, 30, 25)
+    assert r["checkpoint_every"] == 1 and (tmp_path / "b" / "checkpoints" / "step_00000001").is_dir()
     assert r["lbfgs_steps"] == 0 and [row["lr"] for row in steps_of(tmp_path / "b")] != [1.0, 1.0]
     steps = steps_of(tmp_path / "b")
     assert steps[0]["t_sign_fit"] > 0 and steps[1]["t_sign_fit"] == 0  # every 50 steps, from step 0

@@ -21,7 +21,8 @@ from seqlab.nnqs.recipe import (EXACT_SUM_SAMPLES, RANDOM_START, SAMPLED_SAMPLES
 from seqlab.nnqs.references import prepare
 from seqlab.nnqs.sampler import SamplerConfig
 from seqlab.nnqs.space import n_configurations
-from seqlab.nnqs.vmc import ESTIMATORS, HARTREE_TO_MHA, VMCConfig, takes_selected_sum
+from seqlab.nnqs.vmc import HARTREE_TO_MHA, VMCConfig, takes_selected_sum
+from seqlab.nnqs.vmc_config import ESTIMATORS
 from seqlab.nnqs.vmc_checkpoint import check_new_run, checkpointed_steps, existing_run
 from seqlab.nnqs.warm_start import (MAX_FIT_CONFIGS, METHODS as WARM_START_METHODS, PHASE_WEIGHTS, WarmStartConfig,
                                     target_state)
@@ -96,6 +97,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         f"to {VMCConfig.selected_expand_max} in all (default {VMCConfig.selected_expand}: none; on "
                         "H2O/6-31G 5000 took the space's own floor from 0.88 to 0.19 mHa, but psi gained only "
                         "0.05 mHa more in 300 steps at 2.5x the step cost; see docs/nnqs.md)")
+    p.add_argument("--pin-warm-start", action="store_true",
+                   help="selected-sum: the warm-start state's configurations stay in the space for good, however "
+                        "improbable psi makes them (default: they leave like any other; see docs/nnqs.md)")
     p.add_argument("--selected-sign-fit", type=int, default=None, metavar="N",
                    help=f"selected-sum: every {VMCConfig.selected_sign_fit_every} steps (from step 0) the phase "
                         "network takes N Adam steps towards the signs of H's lowest state on the space (default "
@@ -170,7 +174,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT if there is one")
     p.add_argument("--overwrite", action="store_true",
                    help="OUT holds a run: move it aside to OUT.old-<time> and start a new one")
-    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints (>= 1)")
+    p.add_argument("--checkpoint-every", type=int, default=None,
+                   help="steps between checkpoints (>= 1; default 100, 5 where the steps take the selected sum)")
     p.add_argument("--tensorboard", metavar="DIR", default=None,
                    help="also write the per-step metrics as TensorBoard event files into DIR")
     p.add_argument("--no-cc", action="store_true", help="skip CCSD/CCSD(T) references")
@@ -241,7 +246,7 @@ def check_flags(args: argparse.Namespace) -> int | None:
 def fill_recipe(args: argparse.Namespace, recipe: Recipe) -> None:
     """Optimiser flags left out take the values that go with the start actually made (``nnqs.recipe``)."""
     for name in ("lr", "warmup", "anneal", "min_lr_ratio", "phase_lr_scale", "beta2", "rollback_tol",
-                 "rollback_after", "selected_sign_fit"):
+                 "rollback_after", "selected_sign_fit", "checkpoint_every"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(recipe, "rollback_tol_mha" if name == "rollback_tol" else name))
 
@@ -275,8 +280,9 @@ def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, a
         "min_lr_ratio": args.min_lr_ratio, "phase_lr_scale": args.phase_lr_scale, "beta2": args.beta2,
         "anneal": args.anneal, "sr": args.sr, "rollback_tol_mha": args.rollback_tol,
         "rollback_after": args.rollback_after, "rollbacks": res.rollbacks, "selected_expand": args.selected_expand,
+        "pin_warm_start": args.pin_warm_start,
         "selected_sign_fit": args.selected_sign_fit, "lbfgs_steps": args.lbfgs_steps, "lbfgs_iters": args.lbfgs_iters,
-        "warm_start": res.warm_start, "kv_cache": not args.no_cache, "wall_time_s": wall_s, "cpu_time_s": cpu_s,
+        "checkpoint_every": args.checkpoint_every, "warm_start": res.warm_start, "kv_cache": not args.no_cache, "wall_time_s": wall_s, "cpu_time_s": cpu_s,
         "vmc_time_s": res.wall_time_s,
         "reference_time_s": t_ref, "notes": refs.notes,
     }
@@ -330,6 +336,7 @@ def run(args: argparse.Namespace) -> int:
                         exact_max_configs=args.exact_max_configs, sr=args.sr, seed=args.seed,
                         checkpoint_every=args.checkpoint_every, rollback_tol_mha=args.rollback_tol,
                         rollback_after=args.rollback_after, selected_expand=args.selected_expand,
+                        selected_pin_warm_start=args.pin_warm_start,
                         selected_sign_fit=args.selected_sign_fit, lbfgs_steps=args.lbfgs_steps,
                         lbfgs_iters=args.lbfgs_iters,
                         sampler=SamplerConfig(use_cache=not args.no_cache, max_batch=args.max_batch))

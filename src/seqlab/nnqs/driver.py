@@ -110,7 +110,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     if t0 is None:
         t0 = initial_temperature(wf, ham, cfg, dist)
     if selected is not None and warm_start is not None and not restored:  # S holds the fitted support from step 0
-        selected.add(warm_start.keys)
+        (selected.pin if cfg.selected_pin_warm_start else selected.add)(warm_start.keys)
     estimator = "exact-sum" if exact else "selected-sum" if selected is not None else "sampled"
     guard.active = estimator != "sampled" and cfg.anneal == 0  # only an exact, unannealed energy can be judged
     lbfgs = build_lbfgs(wf, cfg) if cfg.lbfgs_steps else None

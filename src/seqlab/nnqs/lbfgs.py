@@ -26,7 +26,7 @@ from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.nnqs.exact_sum import ExactSum, exact_sum, subspace_sum
 from seqlab.nnqs.local_energy import SectorHamiltonian
 from seqlab.nnqs.selected_space import SelectedSpace
-from seqlab.nnqs.vmc import (StepStats, VMCConfig, backward_surrogate, make_evaluator, prune_and_expand,
+from seqlab.nnqs.vmc import (StepStats, VMCConfig, backward_surrogate, make_evaluator, outside_mass, prune_and_expand,
                              reduce_gradients, refit_signs_and_sample)
 from seqlab.runtime.dist import DistInfo
 
@@ -50,9 +50,9 @@ def lbfgs_step(wf: Wavefunction, opt: torch.optim.LBFGS, cfg: VMCConfig, step: i
     if (sector is None) == (selected is None):
         raise ValueError("lbfgs_step: needs exactly one of sector (exact sum) and selected (selected sum)")
     t_0 = time.perf_counter()
-    t_sign_fit = 0.0
+    t_sign_fit, joined, skipped = 0.0, 0, 0
     if selected is not None:
-        t_sign_fit = refit_signs_and_sample(wf, selected, cfg, step, dist)
+        t_sign_fit, joined, skipped = refit_signs_and_sample(wf, selected, cfg, step, dist)
         if t_sign_fit:
             reset_history(opt)
     t1 = time.perf_counter()
@@ -88,5 +88,7 @@ def lbfgs_step(wf: Wavefunction, opt: torch.optim.LBFGS, cfg: VMCConfig, step: i
     t2 = time.perf_counter()
     energy = first.energy  # t_local_energy: the evaluations' sums (and pruning); t_backward: their gradients
     n_selected = len(first.probabilities) if selected is not None else 0
+    outside = outside_mass(evaluations[0][1]) if selected is not None else 0.0
     return StepStats(step, energy.real, energy.imag, 0.0, first.variance, first.n_kept, 1.0, t1 - t_0 - t_sign_fit,
-                     t2 - t1 - t_backward[0], t_backward[0], 0.0, first.tail_mass, n_selected, t_sign_fit)
+                     t2 - t1 - t_backward[0], t_backward[0], 0.0, first.tail_mass, n_selected, t_sign_fit, joined,
+                     skipped, outside)

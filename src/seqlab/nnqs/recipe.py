@@ -46,6 +46,7 @@ class Recipe:
     rollback_after: int = VMCConfig.rollback_after  # step watched; VMCConfig's unless a recipe says otherwise
     lbfgs: bool = False  # every step takes L-BFGS iterations instead of an AdamW step (lbfgs.py)
     selected_sign_fit: int = VMCConfig.selected_sign_fit  # phase-fit steps per refit (sign_fit.py)
+    checkpoint_every: int = VMCConfig.checkpoint_every  # steps between checkpoints
 
 
 RANDOM_START = Recipe(lr=5e-3, warmup=20, anneal=0.07, phase_lr_scale=10.0, beta2=0.99, min_lr_ratio=0.05)
@@ -57,9 +58,10 @@ WARM_START = Recipe(lr=2e-3, warmup=40, anneal=0.0, phase_lr_scale=10.0, beta2=0
 # Its steps are L-BFGS iterations on the selected sum (VMCConfig.lbfgs_iters each) with the phase network refitted
 # to the space's own signs every selected_sign_fit_every steps: from the same fitted state, 51 such steps reached
 # 2.16 mHa over S in 53 minutes in all, where AdamW's 1 500 steps took 72.5 minutes to 2.31 (docs/nnqs.md). The
-# AdamW settings above still serve a run given --lbfgs-steps below --steps.
+# AdamW settings above still serve a run given --lbfgs-steps below --steps. A step there costs ~35 s, so a
+# checkpoint every 5 steps: a run killed from outside (one was, for memory, at step 80 of 150) loses minutes, not all.
 SELECTED_SUM = Recipe(lr=1e-3, warmup=40, anneal=0.0, phase_lr_scale=1.0, beta2=0.999, min_lr_ratio=0.02,
-                      rollback_tol_mha=2.0, rollback_after=0, lbfgs=True, selected_sign_fit=3000)
+                      rollback_tol_mha=2.0, rollback_after=0, lbfgs=True, selected_sign_fit=3000, checkpoint_every=5)
 
 
 # N_s per step where the sector is too large for the exact sum (VMCConfig.sector_max): each unique sample costs a

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -33,116 +33,17 @@ from torch import Tensor
 from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.nnqs.hamiltonian import Hamiltonian
 from seqlab.nnqs.exact_sum import ExactSum, exact_sum, sector_log_psi, subspace_sum
-from seqlab.nnqs.local_energy import MODES, PsiTable, SectorHamiltonian, local_energy
-from seqlab.nnqs.sampler import SamplerConfig, sample, tree_log_prob
+from seqlab.nnqs.local_energy import PsiTable, SectorHamiltonian, local_energy
+from seqlab.nnqs.sampler import sample, tree_log_prob
 from seqlab.nnqs.selected_space import SelectedSpace
 from seqlab.nnqs.sign_fit import fit_signs
 from seqlab.nnqs.space import keys_to_tokens, n_configurations, tokens_to_bits, tokens_to_keys
 from seqlab.nnqs.sr import sr_direction
+from seqlab.nnqs.vmc_config import VMCConfig  # the run's settings; callers import them from here too
 from seqlab.runtime.dist import DistInfo, all_reduce_mean, all_reduce_sum
 from seqlab.runtime.schedule import warmup_cosine
 
 HARTREE_TO_MHA = 1000.0
-ESTIMATORS = ("auto", "exact-sum", "selected-sum", "sampled")
-
-
-@dataclass
-class VMCConfig:
-    steps: int = 400
-    samples: int = 10**10  # N_s per step, over all ranks (only unique configurations cost compute)
-    # N_s grows geometrically from ``samples`` to this at the last step: the rare configurations whose amplitudes
-    # decide the last mHa are seen late, when they matter, at the price of more unique samples only then
-    samples_final: int | None = None
-    lr: float = 5e-3
-    warmup: int = 20
-    min_lr_ratio: float = 0.05  # cosine decay to lr * min_lr_ratio at the last step
-    weight_decay: float = 0.0
-    phase_lr_scale: float = 10.0  # the phase MLP may learn faster than the amplitudes (see docs/nnqs.md)
-    betas: tuple[float, float] = (0.9, 0.99)
-    grad_clip: float | None = 1.0
-    local_energy: str = "exact"
-    # exact E_loc through H precomputed over the whole (N_alpha, N_beta) sector (local_energy.SectorHamiltonian)
-    # when the sector has at most this many configurations; 0 disables. Costs per step one no-grad pass over the
-    # whole sector (prefix tree on the KV cache), and memory of about 12 bytes x N_conf x (singles + doubles).
-    sector_max: int = 200_000
-    # how E and its gradient are estimated: "exact-sum" sums over the whole sector with exact probabilities (needs
-    # the sector fast path; no sampling noise, no collapse onto HF), "selected-sum" sums exactly over every
-    # configuration sampled so far (N_s samples a step join the space), "sampled" draws N_s samples, "auto" takes
-    # exact-sum whenever the sector fast path applies and selected-sum past it
-    estimator: str = "auto"
-    # exact-sum: the gradient is summed over the most probable configurations holding all but this mass ...
-    exact_tail: float = 1e-8
-    exact_max_configs: int = 16384  # ... and at most this many (bounds the backward's cost)
-    # selected-sum: a configuration leaves the selected space when its probability (over the space) falls below this
-    selected_min_prob: float = 1e-9
-    # selected-sum: every ``selected_expand_every`` steps the ``selected_expand`` configurations outside the space with
-    # the largest second-order energy join it for good (``SelectedSpace.expand``), up to ``selected_expand_max`` in
-    # all; 0 adds none
-    selected_expand: int = 0
-    selected_expand_every: int = 100
-    selected_expand_max: int = 20_000
-    # selected-sum: every ``selected_sign_fit_every`` steps (from step 0) the phase network takes this many Adam steps
-    # towards the signs of H's ground state on the space (``sign_fit.py``); 0: never
-    selected_sign_fit: int = 0
-    selected_sign_fit_every: int = 50
-    # exact and selected sum: the last ``lbfgs_steps`` of the ``steps`` take ``lbfgs_iters`` L-BFGS iterations each
-    # (strong-Wolfe line search, ``lbfgs_history`` curvature pairs) on the summed energy instead of an AdamW step
-    # (lbfgs.py); 0: AdamW throughout
-    lbfgs_steps: int = 0
-    lbfgs_iters: int = 20
-    lbfgs_history: int = 50
-    # sampled: past this many unique samples the gradient is re-evaluated in chunks of this size (memory of one
-    # chunk's activations, ~0.1 MB per configuration; all of a 1.7 M sector's samples at once would need ~20 GB)
-    grad_chunk: int = 16384
-    # entropy annealing: minimise E - T*S(P), T decaying linearly to 0 over the first anneal_frac of the steps.
-    # T0 = anneal * (spread of diagonal energies over the first step's samples), so one value fits all molecules.
-    anneal: float = 0.07
-    anneal_frac: float = 0.5
-    sr: bool = False
-    sr_shift: float = 1e-3  # diagonal shift of the minSR kernel, relative to its mean diagonal
-    sr_max_configs: int = 512  # minSR kernel over at most this many (the most probable) configurations
-    seed: int = 0
-    sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    eval_exact_max: int = 100_000  # final evaluation sums over every configuration below this space size
-    eval_samples: int | None = None  # otherwise samples this many (default 100 * samples)
-    checkpoint_every: int = 100
-    keep_last: int = 2  # checkpoints kept (the newest); 0 keeps all
-    # step guard (exact- and selected-sum runs without annealing): from step ``rollback_after`` on, a step whose
-    # energy lies more than ``rollback_tol_mha`` above the best seen restores the best state and halves the rate
-    # (step_guard.py); the first steps after a warm start rise by 10 mHa or more by design, hence the late start.
-    # 0 disables it.
-    rollback_tol_mha: float = 10.0
-    rollback_after: int = 200
-
-    def __post_init__(self) -> None:
-        if self.local_energy not in MODES:
-            raise ValueError(f"VMCConfig.local_energy: {self.local_energy!r} not in {MODES}")
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"VMCConfig.estimator: {self.estimator!r} not in {ESTIMATORS}")
-        if self.estimator in ("exact-sum", "selected-sum") and self.local_energy != "exact":
-            raise ValueError(f"VMCConfig.estimator: {self.estimator!r} needs local_energy='exact' (it sums H psi "
-                             "exactly)")
-        if not 0 <= self.selected_min_prob < 1:
-            raise ValueError(f"VMCConfig.selected_min_prob: must be in [0, 1), got {self.selected_min_prob}")
-        if not 0 <= self.exact_tail < 1:
-            raise ValueError(f"VMCConfig.exact_tail: must be in [0, 1), got {self.exact_tail}")
-        if self.exact_max_configs < 1:
-            raise ValueError(f"VMCConfig.exact_max_configs: must be >= 1, got {self.exact_max_configs}")
-        if self.samples_final is not None and self.samples_final < self.samples:
-            raise ValueError(f"VMCConfig.samples_final: must be >= samples ({self.samples}), got {self.samples_final}")
-        for name, low in (("steps", 1), ("samples", 1), ("grad_chunk", 1), ("checkpoint_every", 1), ("keep_last", 0),
-                          ("selected_expand", 0), ("selected_expand_every", 1), ("selected_expand_max", 0),
-                          ("selected_sign_fit", 0), ("selected_sign_fit_every", 1), ("lbfgs_steps", 0),
-                          ("lbfgs_iters", 1), ("lbfgs_history", 1),
-                          ("warmup", 0), ("anneal", 0), ("rollback_tol_mha", 0), ("rollback_after", 0)):
-            if not getattr(self, name) >= low:  # `not >=` also refuses NaN
-                raise ValueError(f"VMCConfig.{name}: must be >= {low}, got {getattr(self, name)}")
-        if self.sector_max < 0:
-            raise ValueError(f"VMCConfig.sector_max: must be >= 0, got {self.sector_max}")
-        if self.lr <= 0:
-            raise ValueError(f"VMCConfig.lr: must be > 0, got {self.lr}")
-
-
 def temperature_at(cfg: VMCConfig, step: int, t0: float) -> float:
     end = cfg.anneal_frac * cfg.steps
     return t0 * max(0.0, 1.0 - step / end) if end > 0 else 0.0
@@ -177,6 +78,11 @@ class StepStats:
     tail_mass: float = 0.0  # exact sum: probability left out of the gradient set (0 when sampled)
     n_selected: int = 0  # selected sum: configurations in the selected space this step
     t_sign_fit: float = 0.0  # selected sum: seconds spent fitting the phase network to the space's signs
+    n_joined: int = 0  # selected sum: sampled configurations that joined the space this step ...
+    n_join_skipped: int = 0  # ... and new ones left out by ``VMCConfig.selected_join_max``
+    # selected sum: psi's probability outside the space as summed (1 - sum over S of P; P is normalised over the
+    # sector): what the energy over S cannot see, and what the next samples bring in
+    outside_mass: float = 0.0
 
 
 def step_generators(seed: int, step: int, rank: int) -> tuple[torch.Generator, torch.Generator]:
@@ -241,12 +147,13 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
     the step draws N_s samples into that space and sums exactly over it.
     """
     t_0 = time.perf_counter()
-    tail, n_selected, t_sign_fit = 0.0, 0, 0.0
+    tail, n_selected, t_sign_fit, joined, skipped, outside = 0.0, 0, 0.0, 0, 0, 0.0
     if selected is not None:
-        t_sign_fit = refit_signs_and_sample(wf, selected, cfg, step, dist)
+        t_sign_fit, joined, skipped = refit_signs_and_sample(wf, selected, cfg, step, dist)
         t1 = time.perf_counter()
         summed = selected.keys
         log_psi = make_evaluator(wf)(summed)
+        outside = outside_mass(log_psi)
         ex = subspace_sum(log_psi, selected.hamiltonian(), cfg.exact_tail, cfg.exact_max_configs, dist.rank,
                           dist.world_size)
         n_selected = len(ex.probabilities)
@@ -294,13 +201,14 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
     opt.step()
     t3 = time.perf_counter()
     return StepStats(step, e_re, e_im, sigma, var, int(n_unique), lr, t1 - t_0 - t_sign_fit, t2 - t1, t3 - t2,
-                     temperature_at(cfg, step, t0), tail, n_selected, t_sign_fit)
+                     temperature_at(cfg, step, t0), tail, n_selected, t_sign_fit, joined, skipped, outside)
 
 
 def refit_signs_and_sample(wf: Wavefunction, selected: SelectedSpace, cfg: VMCConfig, step: int,
-                           dist: DistInfo) -> float:
-    """A selected-sum step's start: the sign fit when it is due, then N_s samples join S; returns the fit's seconds
-    (0 when there was none)."""
+                           dist: DistInfo) -> tuple[float, int, int]:
+    """A selected-sum step's start: the sign fit when it is due, then N_s samples join S, at most
+    ``cfg.selected_join_max`` new ones (the most often drawn); returns the fit's seconds (0 when there was none), how
+    many joined and how many new ones the cap left out."""
     t_sign_fit = 0.0
     if cfg.selected_sign_fit and step % cfg.selected_sign_fit_every == 0 and len(selected):
         t_fit = time.perf_counter()
@@ -308,15 +216,27 @@ def refit_signs_and_sample(wf: Wavefunction, selected: SelectedSpace, cfg: VMCCo
         t_sign_fit = time.perf_counter() - t_fit
     shared, _ = step_generators(cfg.seed, step, 0)
     s = sample(wf, samples_at(cfg, step), shared, cfg.sampler)  # every rank draws the same tree: the same S
-    selected.add(tokens_to_keys(s.tokens))
-    return t_sign_fit
+    keys = tokens_to_keys(s.tokens)  # unique, with their counts
+    new = ~selected.contains(keys)
+    keys, counts = keys[new], s.counts[new]
+    skipped = max(0, len(keys) - cfg.selected_join_max)
+    if skipped:  # the same order on every rank: the same tree, and a stable sort
+        keys = keys[torch.argsort(counts, descending=True, stable=True)[: cfg.selected_join_max]]
+    return t_sign_fit, selected.add(keys), skipped
+
+
+def outside_mass(log_psi: Tensor) -> float:
+    """psi's probability outside a space, from log psi over all of it (P is normalised over the whole sector)."""
+    return max(0.0, 1.0 - float(torch.exp(2 * log_psi.real).sum()))
 
 
 def prune_and_expand(selected: SelectedSpace, cfg: VMCConfig, step: int, summed: Tensor, log_psi: Tensor,
                      ex: ExactSum) -> bool:
     """A selected-sum step's end, from psi over the space as it was summed (``summed``, ``log_psi``, ``ex``): drop
     the improbable configurations and, when due, expand; returns whether it expanded."""
-    selected.keep(ex.probabilities >= cfg.selected_min_prob)
+    keep = ex.probabilities >= cfg.selected_min_prob
+    keep[ex.probabilities.argmax()] = True  # never an empty space, whatever the threshold
+    selected.keep(keep)
     room = cfg.selected_expand_max - selected.n_expanded
     if not (cfg.selected_expand and step % cfg.selected_expand_every == 0 and room > 0):
         return False
