@@ -43,6 +43,7 @@ def test_lbfgs_step_on_the_selected_sum_grows_prunes_expands_and_refits(system):
     assert [st.t_sign_fit > 0 for st in stats] == [False, False, True, False]  # the space is empty at step 0
     assert all(st.n_selected > 0 and st.energy == st.energy for st in stats)
     assert stats[-1].energy < stats[0].energy
+    assert all(st.n_evaluations >= 2 for st in stats)  # the first evaluation and at least one line search's
 
 
 def test_lbfgs_needs_a_summed_energy(system):

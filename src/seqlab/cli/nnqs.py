@@ -40,8 +40,8 @@ Expected run time with the defaults (CCSD warm start, a valence CASCI where CCSD
   0.40-0.58 mHa, 3 seeds). n2 (20 spin orbitals, 14400 determinants): 2500 steps, ~20 min of CPU (10-11 min
   on 2 cores), 0.13-0.72 mHa (3 seeds, Intel Xeon). c2 (44100 determinants): 25-42 min on 2 cores, 0.40-1.11 mHa
   (3 seeds each on an Intel Xeon and an AMD EPYC).
-  h2o --basis 6-31g (1.7 M determinants: the selected sum and its recipe): 2.3-2.4 mHa after 73 min on 2 cores
-  (not yet chemical accuracy).
+  h2o --basis 6-31g (1.7 M determinants: the selected sum and its recipe): 2.35 mHa after 57 min on 2 cores
+  (Intel Xeon; not yet chemical accuracy).
   --warm-start none: the earlier random-start recipe with entropy annealing.
 Examples:
   seqlab nnqs --molecule h2o

@@ -91,4 +91,4 @@ def lbfgs_step(wf: Wavefunction, opt: torch.optim.LBFGS, cfg: VMCConfig, step: i
     outside = outside_mass(evaluations[0][1]) if selected is not None else 0.0
     return StepStats(step, energy.real, energy.imag, 0.0, first.variance, first.n_kept, 1.0, t1 - t_0 - t_sign_fit,
                      t2 - t1 - t_backward[0], t_backward[0], 0.0, first.tail_mass, n_selected, t_sign_fit, joined,
-                     skipped, outside)
+                     skipped, outside, len(evaluations))

@@ -83,6 +83,7 @@ class StepStats:
     # selected sum: psi's probability outside the space as summed (1 - sum over S of P; P is normalised over the
     # sector): what the energy over S cannot see, and what the next samples bring in
     outside_mass: float = 0.0
+    n_evaluations: int = 1  # energy-and-gradient evaluations this step (L-BFGS: its line searches' too)
 
 
 def step_generators(seed: int, step: int, rank: int) -> tuple[torch.Generator, torch.Generator]:
