@@ -10,6 +10,8 @@ import resource
 import time
 import torch
 
+from seqlab.runtime.memory import status_kib
+
 
 def synchronize(device: torch.device | str | None = None) -> None:
     """Wait for queued device work so that a clock read afterwards includes it (no-op on CPU)."""
@@ -24,17 +26,6 @@ def now(device: torch.device | str | None = None) -> float:
     """``time.perf_counter()`` after a device synchronize."""
     synchronize(device)
     return time.perf_counter()
-
-
-def _read_status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 def reset_peak_memory(device: torch.device | str | None = None) -> bool:
@@ -56,7 +47,7 @@ def peak_memory_bytes(device: torch.device | str | None = None) -> int:
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda" and torch.cuda.is_available():
         return int(torch.cuda.max_memory_allocated(dev))
-    hwm = _read_status_kib("VmHWM")
+    hwm = status_kib("VmHWM")
     if hwm is not None:
         return hwm * 1024
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB

@@ -66,6 +66,18 @@ def _mallopt(param: int, value: int) -> bool:
 _M_TRIM_THRESHOLD = -1
 
 
+def status_kib(field: str) -> int | None:
+    """A ``/proc/self/status`` memory field in KiB (``VmRSS``: resident now; ``VmHWM``: its peak); None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
 def keep_freed_blocks(threshold_bytes: int = 1 << 30) -> bool:
     """Serve allocations below ``threshold_bytes`` from the heap and keep freed memory there for the next one.
 
