@@ -173,6 +173,16 @@ def test_resume_without_steps_keeps_the_run_length_it_started_with(tmp_path):
     assert len((out / "energies.jsonl").read_text().splitlines()) == 3
 
 
+def test_a_resumed_run_counts_its_progress_on_from_the_checkpoint(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["--molecule", "h2", "--out", str(out), "--no-cc", "--warm-start-steps", "5"]
+    assert _cli([*argv, "--steps", "3", "--quiet"]) == 0
+    capsys.readouterr()
+    assert _cli([*argv, "--resume", "--steps", "5"]) == 0
+    bar = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert any("5/5" in line for line in bar) and not any("2/5" in line for line in bar)
+
+
 @pytest.mark.slow
 def test_vmc_lih_reaches_chemical_accuracy(system):
     s = system("lih")

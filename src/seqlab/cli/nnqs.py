@@ -348,6 +348,8 @@ def run(args: argparse.Namespace) -> int:
             bar.write(f"note: {note}")
 
         def show(st) -> None:
+            if not bar.n and st.step:  # a resumed run counts on from its checkpoint (and its rate from here)
+                bar.n = bar.initial = st.step
             post = {"E": f"{st.energy:.6f}", "σ": f"{st.energy_std * HARTREE_TO_MHA:.3f}mHa", "U": st.n_unique}
             if refs.e_fci is not None:
                 post["ΔFCI"] = f"{(st.energy - refs.e_fci) * HARTREE_TO_MHA:.2f}mHa"
