@@ -282,7 +282,8 @@ def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, a
         "rollback_after": args.rollback_after, "rollbacks": res.rollbacks, "selected_expand": args.selected_expand,
         "pin_warm_start": args.pin_warm_start,
         "selected_sign_fit": args.selected_sign_fit, "lbfgs_steps": args.lbfgs_steps, "lbfgs_iters": args.lbfgs_iters,
-        "checkpoint_every": args.checkpoint_every, "warm_start": res.warm_start, "kv_cache": not args.no_cache, "wall_time_s": wall_s, "cpu_time_s": cpu_s,
+        "checkpoint_every": args.checkpoint_every, "warm_start": res.warm_start, "kv_cache": not args.no_cache,
+        "wall_time_s": wall_s, "cpu_time_s": cpu_s,
         "vmc_time_s": res.wall_time_s,
         "reference_time_s": t_ref, "notes": refs.notes,
     }

@@ -107,8 +107,8 @@ class VMCConfig:
             raise ValueError(f"VMCConfig.samples_final: must be >= samples ({self.samples}), got {self.samples_final}")
         for name, low in (("steps", 1), ("samples", 1), ("grad_chunk", 1), ("checkpoint_every", 1), ("keep_last", 0),
                           ("selected_expand", 0), ("selected_join_max", 1), ("selected_expand_every", 1),
-                          ("selected_expand_max", 0), ("selected_sign_fit", 0), ("selected_sign_fit_every", 1), ("lbfgs_steps", 0),
-                          ("lbfgs_iters", 1), ("lbfgs_history", 1),
+                          ("selected_expand_max", 0), ("selected_sign_fit", 0), ("selected_sign_fit_every", 1),
+                          ("lbfgs_steps", 0), ("lbfgs_iters", 1), ("lbfgs_history", 1),
                           ("warmup", 0), ("anneal", 0), ("rollback_tol_mha", 0), ("rollback_after", 0)):
             if not getattr(self, name) >= low:  # `not >=` also refuses NaN
                 raise ValueError(f"VMCConfig.{name}: must be >= {low}, got {getattr(self, name)}")
