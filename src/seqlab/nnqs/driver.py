@@ -134,7 +134,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
                     reset_history(lbfgs)
             rec["wall_time_s"] = time.perf_counter() - t_start
             rss = status_kib("VmRSS")  # a run that grows towards the machine's memory shows it step by step
-            rec["resident_gb"] = None if rss is None else rss / 2**20
+            rec["resident_gib"] = None if rss is None else rss / 2**20
             if e_ref is not None:
                 rec["error_mha"] = (st.energy - e_ref) * HARTREE_TO_MHA
                 rec["abs_error_mha"] = abs(rec["error_mha"])
