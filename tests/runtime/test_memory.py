@@ -146,3 +146,42 @@ def test_keep_freed_blocks_stops_per_step_page_faults():
     if not thp_always:  # (with every mapping on 2 MiB pages the fresh pages fault in 512 times fewer)
         assert faults_per_step("default") > 8000  # 64 MiB mapped anew and faulted in, 4 KiB at a time, every step
     assert faults_per_step("keep") < 500  # the last step's pages, reused
+
+
+def test_trim_on_growth_trims_once_the_resident_set_outgrows_the_working_set(monkeypatch):
+    trims = []
+    monkeypatch.setattr(memory, "trim_heap", lambda: trims.append(True) or True)
+    heap = memory.TrimOnGrowth(margin=0.1, min_kib=100)
+    heap.start()  # what setup freed goes first
+    assert len(trims) == 1 and heap.working_set_kib is None
+    assert not heap.after_step(4000)  # the first step's footprint is the working set
+    assert heap.working_set_kib == 4000
+    assert not heap.after_step(4400) and not heap.after_step(None)  # within 10 %, and an unknown size
+    assert heap.after_step(4401) and len(trims) == 2  # past it: trimmed, and the working set is measured anew
+    assert heap.working_set_kib is None and not heap.after_step(4500) and heap.working_set_kib == 4500
+    small = memory.TrimOnGrowth(margin=0.1, min_kib=256 << 10)  # a small run's 10 % is below the floor
+    small.after_step(50_000)
+    assert not small.after_step(50_000 + (256 << 10)) and small.after_step(50_001 + (256 << 10))
+
+
+def test_trim_on_growth_returns_what_the_kept_heap_holds():
+    """Under keep_freed_blocks a freed 512 MiB block stays resident; once that growth shows after a step, the
+    trim gives it back."""
+    if platform.system() != "Linux" or _malloc_trim() is None:
+        pytest.skip("needs glibc's malloc_trim and /proc/self/status")
+    code = r"""
+import torch
+from seqlab.runtime import memory
+memory.keep_freed_blocks()
+heap = memory.TrimOnGrowth()
+heap.after_step(memory.status_kib("VmRSS"))  # the working set: torch itself
+block = torch.ones(128 << 20)  # 512 MiB, touched
+pin = torch.ones(1 << 14)
+del block
+held = memory.status_kib("VmRSS")
+trimmed = heap.after_step(held)
+print(held // 1024, memory.status_kib("VmRSS") // 1024, trimmed)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    held, after, trimmed = int(out[0]), int(out[1]), out[2] == "True"
+    assert trimmed and held - after > 400, (held, after)  # the freed block was resident, and the trim returned it

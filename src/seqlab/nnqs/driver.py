@@ -28,7 +28,7 @@ from seqlab.nnqs.vmc_checkpoint import LOG, check_new_run, checkpoint_store, cle
     save_checkpoint
 from seqlab.runtime.dist import DistInfo, any_rank, barrier
 from seqlab.runtime.logbook import Logbook
-from seqlab.runtime.memory import status_kib
+from seqlab.runtime.memory import TrimOnGrowth, status_kib
 from seqlab.runtime.signals import GracefulStop
 
 CHEMICAL_ACCURACY_MHA = 1.6
@@ -121,6 +121,8 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     vmc_state = json.loads(json.dumps(asdict(cfg), default=str))
     stopped_at = None
     with log:
+        heap = TrimOnGrowth()
+        heap.start()
         for step in range(start_step, cfg.steps):
             guard.before_step(step, wf, opt)
             if lbfgs is not None and step >= cfg.steps - cfg.lbfgs_steps:
@@ -135,6 +137,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
             rec["wall_time_s"] = time.perf_counter() - t_start
             rss = status_kib("VmRSS")  # a run that grows towards the machine's memory shows it step by step
             rec["resident_gib"] = None if rss is None else rss / 2**20
+            rec["heap_trimmed"] = heap.after_step(rss)
             if e_ref is not None:
                 rec["error_mha"] = (st.energy - e_ref) * HARTREE_TO_MHA
                 rec["abs_error_mha"] = abs(rec["error_mha"])
