@@ -152,7 +152,7 @@ def test_trim_on_growth_trims_once_the_resident_set_outgrows_the_working_set(mon
     trims = []
     monkeypatch.setattr(memory, "trim_heap", lambda: trims.append(True) or True)
     heap = memory.TrimOnGrowth(margin=0.1, min_kib=100)
-    heap.start()  # what setup freed goes first
+    heap.trim()  # what setup freed goes first
     assert len(trims) == 1 and heap.working_set_kib is None
     assert not heap.after_step(4000)  # the first step's footprint is the working set
     assert heap.working_set_kib == 4000

@@ -122,7 +122,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     stopped_at = None
     with log:
         heap = TrimOnGrowth()
-        heap.start()
+        heap.trim()  # what the references and a warm-start fit freed
         for step in range(start_step, cfg.steps):
             guard.before_step(step, wf, opt)
             if lbfgs is not None and step >= cfg.steps - cfg.lbfgs_steps:

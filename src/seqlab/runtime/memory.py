@@ -101,18 +101,18 @@ class TrimOnGrowth:
 
     Why: under :func:`keep_freed_blocks` the heap keeps every page a step frees, for the next step to reuse. When
     the sizes drift from step to step (an NNQS selected space that grows), the freed blocks stop fitting and the
-    heap spans ever more pages, all resident: H2O/6-31G's selected-sum steps held 0.17 GiB live between steps while
-    the free part of the heap grew by 0.1 GiB a step (``mallinfo2``), 4 -> 10 GiB over 50 steps. A trim gives the
-    free pages back (0.2 s at 4 GiB) and the next step faults in only what it touches; trimming on growth, not
-    after every step, keeps that cost off runs whose footprint is steady (docs/nnqs.md, "The memory grows").
+    heap spans ever more pages, all resident but free. A trim gives them back and the next step faults in only
+    what it touches; trimming on growth, not after every step, keeps that cost off runs whose footprint is steady
+    (docs/nnqs.md, "The memory grows", has the measurements).
     """
 
     margin: float = 0.1  # growth over the working set, as a fraction of it, that triggers a trim ...
     min_kib: int = 256 << 10  # ... and at least this much
     working_set_kib: int | None = None  # the resident set after the first step since the last trim
 
-    def start(self) -> None:
-        """Before the first step: what setup freed (references, a warm-start fit) leaves the resident set."""
+    def trim(self) -> None:
+        """Give the free pages back now (before the first step: what setup freed); the next step's resident set
+        becomes the working set."""
         trim_heap()
         self.working_set_kib = None
 
@@ -125,7 +125,7 @@ class TrimOnGrowth:
             return False
         if resident_kib - self.working_set_kib <= max(self.margin * self.working_set_kib, self.min_kib):
             return False
-        self.start()
+        self.trim()
         return True
 
 
