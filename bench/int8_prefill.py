@@ -125,8 +125,10 @@ class Bf16Products(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def quality(model, ids: Tensor, modes: dict, chunks: int, log=print, twins: dict | None = None) -> dict:
-    """Each mode's full forward against the plain model's; ``twins`` names a variant that runs another model."""
+def quality(model, ids: Tensor, modes: dict, chunks: int, log=print,
+            twins: dict[str, torch.nn.Module] | None = None) -> dict:
+    """Each mode's full forward against the plain model's; ``twins`` maps a variant's name to the model it runs
+    (the plain model where absent)."""
     out, twins = {}, twins or {}
     with torch.inference_mode():
         ref = [model(ids[:, c * 512:(c + 1) * 512]) for c in range(chunks)]
@@ -149,7 +151,8 @@ def quality(model, ids: Tensor, modes: dict, chunks: int, log=print, twins: dict
     return out
 
 
-def ttft(model, hf, ids: Tensor, modes: dict, repeats: int, log=print, twins: dict | None = None) -> dict:
+def ttft(model, hf, ids: Tensor, modes: dict, repeats: int, log=print,
+         twins: dict[str, torch.nn.Module] | None = None) -> dict:
     twins = twins or {}
 
     def ours(mode, runner):

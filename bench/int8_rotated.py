@@ -14,9 +14,9 @@ The rotated twin (the model itself is untouched; the twin is a probe, not a rout
 * every RMSNorm gain folded into the products that read it (QKV, gate/up, LM head), the gains set to 1;
 * the residual stream rotated by ``Q`` = kron(random orthogonal 9x9, random-sign Hadamard 64x64) (576 wide):
   embedding ``E Q``, input products ``W Q``, output products ``Q^T W``, LM head untied;
-* online block Hadamards where no residual rotation reaches: on each head's 64 values before the attention
-  output product, and on blocks of 128 of the SwiGLU output before the down product (their transposes folded
-  into those weights). Keys and values come out unrotated, so the twin's KV cache is the plain model's.
+* online block Hadamards where no residual rotation reaches: on each head's values before the attention output
+  product, and on blocks of 128 of the SwiGLU output before the down product (folded into those weights too).
+  Keys and values come out unrotated, so the twin's KV cache is the plain model's.
 
 Variants, against the plain fp32 model over ``--chunks`` x 512 tokens of the validation play:
 
@@ -24,7 +24,13 @@ Variants, against the plain fp32 model over ``--chunks`` x 512 tokens of the val
   probed as in ``int8_prefill.py``, activations per token), timed as a 512-token TTFT against fp32 and HF;
 * ``rotated a8``: the twin with activations rounded to int8 per token and fp32 weights (simulated), the error
   that activations alone leave after the rotation;
-* ``plain a8``: the same rounding on the plain model (gains folded, nothing rotated), the error before it.
+* ``rotated w8 (+-N)``: the twin with weights rounded to int8 per output channel in the probed range and fp32
+  activations (simulated), the error that the weights alone leave;
+* ``plain a8``: the activations' rounding on the plain model (gains folded, nothing rotated), the error before it;
+* ``rotated fp32``: the twin unquantised, which must match the plain model to fp32 rounding.
+
+Simplified against QuaRot: plain round-to-nearest weights (no GPTQ), no clipping, 128-wide Hadamard blocks on
+the SwiGLU output instead of one over all of it.
 
 Writes ``bench/results/int8_rotated.json``.
 """
@@ -45,23 +51,27 @@ from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from int8_prefill import Int8Products, converted, full_range_exact, quality, ttft  # noqa: E402
+from int8_prefill import Int8Products, converted, full_range_exact, quality, quantize_rows, ttft  # noqa: E402
 from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
 from real_models_smollm2 import load_models  # noqa: E402
 
 from seqlab.cli.packaged import packaged_smollm2  # noqa: E402
 from seqlab.data.corpus import load_corpus  # noqa: E402
 
-HEAD_BLOCK, DOWN_BLOCK = 64, 128
+RESIDUAL_HADAMARD = 64  # the Hadamard factor of the residual rotation (576 = 9 x 64)
+DOWN_BLOCK = 128  # the online Hadamard's block on the SwiGLU output (1536 = 12 x 128)
 
 
 def random_orthogonal(n: int, g: torch.Generator) -> Tensor:
     q, r = torch.linalg.qr(torch.randn(n, n, generator=g, dtype=torch.float64))
-    return (q * torch.sign(torch.diagonal(r))).float().contiguous()  # QR returns column-major; kron needs rows
+    # QR returns a column-major Q, and torch.kron fails on it ("view size is not compatible"): hence contiguous
+    return (q * torch.sign(torch.diagonal(r))).float().contiguous()
 
 
 def random_hadamard(n: int, g: torch.Generator) -> Tensor:
     """Sylvester's Hadamard matrix (n a power of two), normalised, with random column signs: orthogonal."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power of two, not {n}")
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
@@ -89,10 +99,12 @@ def rotated_twin(model: nn.Module, seed: int = 0) -> tuple[nn.Module, dict[int, 
     the input of each product that needs one (keyed by the id of its weight)."""
     g = torch.Generator().manual_seed(seed)
     cfg = model.config
-    if cfg.d_model % HEAD_BLOCK or cfg.d_ff % DOWN_BLOCK or cfg.head_dim != HEAD_BLOCK:
-        sys.exit("this probe's block sizes fit SmolLM2-135M only")
+    llama_like = (cfg.norm == "rmsnorm" and cfg.pre_norm and cfg.final_norm and cfg.pos == "rope"
+                  and not cfg.embed_norm and not cfg.mlm_head_transform and cfg.mlp == "swiglu")
+    if not llama_like or cfg.d_model % RESIDUAL_HADAMARD or cfg.d_ff % DOWN_BLOCK:
+        sys.exit("this probe rotates pre-norm RMSNorm/RoPE/SwiGLU decoders whose widths fit its blocks (SmolLM2)")
     twin = fold_gains(model)
-    q = torch.kron(random_orthogonal(cfg.d_model // HEAD_BLOCK, g), random_hadamard(HEAD_BLOCK, g))
+    q = torch.kron(random_orthogonal(cfg.d_model // RESIDUAL_HADAMARD, g), random_hadamard(RESIDUAL_HADAMARD, g))
     online: dict[int, Tensor] = {}
     with torch.no_grad():
         twin.lm_head.proj.weight.copy_(twin.lm_head.proj.weight @ q)
@@ -100,7 +112,9 @@ def rotated_twin(model: nn.Module, seed: int = 0) -> tuple[nn.Module, dict[int, 
         for block in twin.stack.blocks:
             for reader in (block.attn.qkv, block.mlp.up):
                 reader.weight.copy_(reader.weight @ q)
-            for writer, width in ((block.attn.out, HEAD_BLOCK), (block.mlp.down, DOWN_BLOCK)):
+            # per head before the output product: folding it into W_v instead would cost nothing at run time, but
+            # would rotate the values in the KV cache, which the plain model then reads
+            for writer, width in ((block.attn.out, cfg.head_dim), (block.mlp.down, DOWN_BLOCK)):
                 h = random_hadamard(width, g)
                 writer.weight.copy_(q.t() @ writer.weight @ torch.block_diag(*[h] * (writer.weight.shape[1] // width)))
                 online[id(writer.weight)] = h  # applied per block of ``width``: a dense block_diag would cost more
@@ -128,19 +142,34 @@ class Rotating(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class Int8Activations(TorchFunctionMode):
-    """Activations rounded to int8 per token (simulated in fp32), weights kept fp32."""
+def rounded(t: Tensor, limit: int) -> Tensor:
+    """``t`` rounded to symmetric int8 per row and back to fp32 (simulated quantisation)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    q, scale = quantize_rows(t2, limit)
+    return (q.float() * scale[:, None]).reshape(t.shape)
 
-    def __init__(self, vocab: int):
+
+class Int8Rounding(TorchFunctionMode):
+    """One side of the converted products rounded to int8 (simulated in fp32), the other kept fp32: the
+    activations per token (``side="activations"``), or the weights per output channel in ``weight_limit``."""
+
+    def __init__(self, vocab: int, side: str, weight_limit: int = 127):
         super().__init__()
-        self.vocab = vocab
+        self.vocab, self.side, self.weight_limit = vocab, side, weight_limit
+        self.weights: dict[tuple[int, int], Tensor] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear and converted(args, self.vocab):
-            x = args[0]
-            scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127
-            args = (torch.round(x / scale) * scale, *args[1:])
+            x, w = args[0], args[1]
+            if self.side == "activations":
+                x = rounded(x, 127)
+            else:
+                key = (id(w), w._version)
+                if key not in self.weights:
+                    self.weights[key] = rounded(w, self.weight_limit)
+                w = self.weights[key]
+            args = (x, w, *args[2:])
         return func(*args, **kwargs)
 
 
@@ -167,9 +196,11 @@ def main(argv=None) -> int:
     text = tok.encode(load_corpus("validation")[:60000])
     ids = torch.tensor([text[:max(args.chunks * 512, args.ttft_len)]])
     rotated_w8a8 = Rotating(online, Int8Products(vocab, limit))
-    modes = {"rotated w8a8": rotated_w8a8, "rotated a8": Rotating(online, Int8Activations(vocab)),
-             "plain a8": Int8Activations(vocab), "rotated fp32": Rotating(online, None)}
-    twins = {"rotated w8a8": twin, "rotated a8": twin, "rotated fp32": twin, "plain a8": fold_gains(model)}
+    modes = {"rotated w8a8": rotated_w8a8,
+             "rotated a8": Rotating(online, Int8Rounding(vocab, "activations")),
+             f"rotated w8 (+-{limit})": Rotating(online, Int8Rounding(vocab, "weights", limit)),
+             "plain a8": Int8Rounding(vocab, "activations"), "rotated fp32": Rotating(online, None)}
+    twins = {name: twin for name in modes} | {"plain a8": fold_gains(model)}
     res = {"model": path.name, "isa": args.isa_child, "torch": torch.__version__, "threads": torch.get_num_threads(),
            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "weight_limit": limit, "seed": args.seed,
            "quality": quality(model, ids, modes, args.chunks, twins=twins),
