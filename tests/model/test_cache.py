@@ -125,3 +125,29 @@ def test_select_leaves_the_parent_untouched():
     assert child.batch_size == 3 and parent.batch_size == 2 and parent.pos == 5
     assert torch.equal(parent.k[0], before)
     assert (out[:, -1] - model(ids[[1, 1, 0]])[:, -1]).abs().max() < TOL
+
+
+@pytest.mark.parametrize("name", sorted(DECODERS))
+def test_keeping_one_position_per_row_changes_neither_its_state_nor_the_cache(name):
+    """``body(keep=...)`` runs the last layer on one position per row: that row's hidden state, and every cache
+    entry, equal the full pass's; on an empty cache, padded rows, and a second chunk on a filled cache."""
+    model = build_model(cfg(DECODERS[name])).eval()
+    ids = torch.randint(0, 97, (3, 9), generator=torch.Generator().manual_seed(1))
+    rows = torch.arange(3)
+    keep = torch.tensor([8, 3, 0])  # the last position, and earlier ones (their causal mask rows are built)
+    with torch.no_grad():
+        assert (model.body(ids, keep=keep)[:, 0] - model.body(ids)[rows, keep]).abs().max() < TOL
+        mask = torch.ones(3, 9, dtype=torch.long)
+        mask[1, 5:], mask[2, 2:] = 0, 0  # right padding: each row's last real token
+        last = mask.sum(1) - 1
+        full_cache, kept_cache = model.new_cache(3, 32), model.new_cache(3, 32)
+        full = model.body(ids, mask, cache=full_cache)[rows, last]
+        kept = model.body(ids, mask, cache=kept_cache, keep=last)
+        assert kept.shape == (3, 1, 64) and (kept[:, 0] - full).abs().max() < TOL
+        for layer in range(model.config.n_layers):
+            assert torch.equal(kept_cache.k[layer], full_cache.k[layer])
+            assert torch.equal(kept_cache.v[layer], full_cache.v[layer])
+        more = torch.randint(0, 97, (3, 4), generator=torch.Generator().manual_seed(2))
+        full = model.body(more, cache=full_cache)[:, -1]
+        kept = model.body(more, cache=kept_cache, keep=torch.full((3,), 3))[:, 0]
+        assert (kept - full).abs().max() < TOL

@@ -42,6 +42,9 @@ def prefill(model, input_ids: Tensor, cache, attention_mask: Tensor | None = Non
     Encoder-decoder: ``input_ids`` is the source; the encoder runs once, then the decoder processes
     ``decoder_input_ids`` (default: the decoder start token), computing and caching cross-attention K/V.
     """
+    if last_index is None and not is_encoder_decoder(model):
+        last_index = torch.full((input_ids.shape[0],), input_ids.shape[1] - 1, dtype=torch.long,
+                                device=input_ids.device)
     cast = getattr(model, "prefill_cast", None)  # lower-precision products for long prompts (seqlab.accel.prefill)
     with cast.context(input_ids.numel()) if cast is not None else contextlib.nullcontext():
         if is_encoder_decoder(model):
@@ -51,11 +54,9 @@ def prefill(model, input_ids: Tensor, cache, attention_mask: Tensor | None = Non
                 decoder_input_ids = torch.full((input_ids.shape[0], 1), start, dtype=torch.long,
                                                device=input_ids.device)
             h = model.decode_body(decoder_input_ids, memory, attention_mask, cache=cache)
-        else:
-            h = model.body(input_ids, attention_mask, cache=cache)
-    if last_index is None or is_encoder_decoder(model):
-        return model.head(h[:, -1])
-    return model.head(h[torch.arange(h.shape[0], device=h.device), last_index])
+        else:  # the last layer runs on each row's last real position only: nothing else reaches the logits
+            h = model.body(input_ids, attention_mask, cache=cache, keep=last_index)
+    return model.head(h[:, -1])
 
 
 def decode_step(model, tokens: Tensor, cache, position_ids: Tensor | None = None) -> Tensor:

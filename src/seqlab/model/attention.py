@@ -26,6 +26,21 @@ class AttentionInputs:
     rope: tuple[Tensor, Tensor] | None = None
     cache: KVCache | None = None
 
+    def for_queries(self, queries: Tensor, n_keys: int) -> AttentionInputs:
+        """The same pass with one query per row, row b's at position ``queries[b]`` of this pass: its mask row.
+
+        The causal case needs no mask where every row keeps its last position (it sees every key)."""
+        B = queries.shape[0]
+        if self.mask is not None:
+            mask = self.mask
+            if mask.shape[2] > 1:
+                mask = mask.expand(B, -1, -1, -1)[torch.arange(B, device=mask.device), :, queries].unsqueeze(2)
+        elif self.is_causal and bool((queries < n_keys - 1).any()):
+            mask = (torch.arange(n_keys, device=queries.device) <= queries[:, None])[:, None, None, :]
+        else:
+            mask = None
+        return AttentionInputs(mask=mask, is_causal=False, rope=self.rope, cache=self.cache)
+
 
 @dataclass
 class CrossInputs:
@@ -46,7 +61,9 @@ class SelfAttention(nn.Module):
         self.attn_dropout = cfg.attn_dropout
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, inputs: AttentionInputs, layer: int) -> Tensor:
+    def forward(self, x: Tensor, inputs: AttentionInputs, layer: int, queries: Tensor | None = None) -> Tensor:
+        """``queries`` ([B] positions, optional): every position's K/V (and cache entry) but only that position's
+        query and output per row, [B, 1, d]; a prefill needs no more of its last layer."""
         B, T, _ = x.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
         qk, v = self.qkv(x).split(((H + Hkv) * D, Hkv * D), dim=-1)
@@ -59,6 +76,8 @@ class SelfAttention(nn.Module):
         v = v.view(B, T, Hkv, D).transpose(1, 2)
         if inputs.cache is not None:
             k, v = inputs.cache.update(layer, k, v)
+        if queries is not None:
+            q, T = pick_rows(q, queries, dim=2), 1
         y = F.scaled_dot_product_attention(
             q, k, v,
             attn_mask=inputs.mask,
@@ -67,6 +86,12 @@ class SelfAttention(nn.Module):
             enable_gqa=H != Hkv,
         )
         return self.dropout(self.out(y.transpose(1, 2).reshape(B, T, H * D)))
+
+
+def pick_rows(x: Tensor, rows: Tensor, dim: int = 1) -> Tensor:
+    """Position ``rows[b]`` of each batch row b along ``dim``, kept as a length-1 dimension."""
+    index = (torch.arange(x.shape[0], device=x.device),) + (slice(None),) * (dim - 1) + (rows,)
+    return x[index].unsqueeze(dim)
 
 
 class CrossAttention(nn.Module):

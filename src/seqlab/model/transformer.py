@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from seqlab.config import ModelConfig
 from seqlab.model import masks
-from seqlab.model.attention import AttentionInputs, CrossAttention, CrossInputs, SelfAttention
+from seqlab.model.attention import AttentionInputs, CrossAttention, CrossInputs, SelfAttention, pick_rows
 from seqlab.model.cache import KVCache
 from seqlab.model.layers import MLP, Embeddings, Rotary, activation_fn, make_norm
 
@@ -37,13 +37,16 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: Tensor, inputs: AttentionInputs, layer: int, cross: CrossInputs | None = None) -> Tensor:
+    def forward(self, x: Tensor, inputs: AttentionInputs, layer: int, cross: CrossInputs | None = None,
+                queries: Tensor | None = None) -> Tensor:
+        """``queries`` ([B] positions): only those rows go on past the attention (see ``SelfAttention``)."""
+        residual = x if queries is None else pick_rows(x, queries)
         if self.pre_norm:
-            x = x + self.attn(self.attn_norm(x), inputs, layer)
+            x = residual + self.attn(self.attn_norm(x), inputs, layer, queries)
             if self.cross_attn is not None:
                 x = x + self.cross_attn(self.cross_norm(x), cross, layer)
             return x + self.mlp(self.mlp_norm(x))
-        x = self.attn_norm(x + self.attn(x, inputs, layer))
+        x = self.attn_norm(residual + self.attn(x, inputs, layer, queries))
         if self.cross_attn is not None:
             x = self.cross_norm(x + self.cross_attn(x, cross, layer))
         return self.mlp_norm(x + self.mlp(x))
@@ -109,13 +112,21 @@ class Stack(nn.Module):
         document_ids: Tensor | None = None,
         token_type_ids: Tensor | None = None,
         cross: CrossInputs | None = None,
+        keep: Tensor | None = None,
     ) -> Tensor:
+        """Final hidden states [B, T, d]; with ``keep`` ([B] positions) only row b's position ``keep[b]``,
+        [B, 1, d]: every layer but the last still runs on every position (the cache needs their K/V), the last
+        one's queries, output and MLP only on the kept ones (a prefill needs no more; docs/generation.md)."""
         inputs, position_ids = self._prepare(input_ids, attention_mask, position_ids, cache, document_ids)
         x = self.embed(input_ids, position_ids, token_type_ids)
         if self.rotary is not None:
             inputs.rope = self.rotary(position_ids, x.dtype)
+        last = len(self.blocks) - 1
         for i, block in enumerate(self.blocks):
-            x = block(x, inputs, i, cross)
+            if keep is not None and i == last:
+                x = block(x, inputs.for_queries(keep, input_ids.shape[1]), i, cross, keep)
+            else:
+                x = block(x, inputs, i, cross)
         if cache is not None:
             cache.advance(input_ids.shape[1])
         return self.norm(x)
@@ -196,8 +207,9 @@ class Decoder(_OneStack):
     def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None, device=None) -> KVCache:
         return self.stack.new_cache(batch_size, max_len or self.config.max_seq_len, dtype, device)
 
-    def body(self, input_ids, attention_mask=None, position_ids=None, cache=None, document_ids=None) -> Tensor:
-        return self.stack(input_ids, attention_mask, position_ids, cache, document_ids)
+    def body(self, input_ids, attention_mask=None, position_ids=None, cache=None, document_ids=None,
+             keep=None) -> Tensor:
+        return self.stack(input_ids, attention_mask, position_ids, cache, document_ids, keep=keep)
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, cache=None, document_ids=None) -> Tensor:
         return self.head(self.body(input_ids, attention_mask, position_ids, cache, document_ids))
