@@ -85,6 +85,8 @@ CHAT_CASES: list[Case] = [
     Case("chat-config-type", ["chat", "--checkpoint", "{tmp}/m", "--message", "hi"], "ModelConfig.n_kv_heads", files={"m/config.json": '{"format": "seqlab", "config": {"n_kv_heads": "2"}}'}),
     Case("chat-missing-model-folder", ["chat", "--model", "{tmp}/nope", "--message", "hi"], "nope/config.json: file not found"),
     Case("chat-bad-gguf", ["chat", "--gguf", "{tmp}/x.gguf", "--message", "hi"], "not a GGUF file", files={"x.gguf": "this is not a gguf file, just some words in it"}),
+    Case("chat-gguf-is-a-folder", ["chat", "--gguf", "{run}", "--message", "hi"], "a folder, not a GGUF file"),
+    Case("embed-zero-max-length", ["embed", "hello", "--max-length", "0"], "--max-length must be >= 2"),
 ]
 
 NNQS_CASES: list[Case] = [

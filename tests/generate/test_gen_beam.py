@@ -130,3 +130,11 @@ def test_beam_matches_hugging_face(early_stopping, lp):
                                           decoder_logprob(m64, prompt), lp, f"row {i}")
     # float32 sums of log-probabilities, accumulated in a different order by each library
     torch.testing.assert_close(ours.scores, theirs.sequences_scores, rtol=1e-4, atol=1e-4)
+
+
+def test_beams_with_stop_strings_or_a_draft_are_refused_not_ignored():
+    with pytest.raises(ValueError, match="beam search does not stop at stop_strings"):
+        GenerationConfig(num_beams=2, stop_strings=["\n"])
+    model = tiny_decoder(seed=3)
+    with pytest.raises(ValueError, match="speculative decoding, which keeps one beam"):
+        generate(model, torch.tensor([[1, 2, 3]]), max_new_tokens=2, num_beams=2, draft_model=tiny_decoder(seed=4))

@@ -82,3 +82,45 @@ def test_zero_beams_is_an_error_not_greedy(ckpt, capsys):
     d, _, _ = ckpt
     assert main(["generate", "--checkpoint", str(d), "--prompt", "hi", "--num-beams", "0"]) == 2
     assert capsys.readouterr().err.strip() == "seqlab generate: error: --num-beams must be >= 1 (got 0)"
+
+
+def test_stream_prints_what_the_plain_command_prints(ckpt, capsys):
+    """--stream shows the prompt, then the continuation as it comes: the same text as without --stream."""
+    d, _, _ = ckpt
+    args = ["generate", "--checkpoint", str(d), "--prompt", "To be", "--max-new-tokens", "6", "--no-pack"]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main([*args, "--stream"]) == 0
+    assert capsys.readouterr().out == plain and plain.startswith("To be")
+
+
+def test_a_draft_alone_keeps_greedy_decoding(ckpt, capsys):
+    """Speculative decoding is a speed-up: with no sampling knob its text is greedy's (the draft is the model)."""
+    d, _, _ = ckpt
+    args = ["generate", "--checkpoint", str(d), "--prompt", "hi", "--max-new-tokens", "8", "--no-pack"]
+    assert main(args) == 0
+    greedy = capsys.readouterr().out
+    for seed in ("1", "2"):
+        assert main([*args, "--draft", str(d), "--seed", seed]) == 0
+        assert capsys.readouterr().out == greedy
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--strategy", "beam", "--num-beams", "1"], "--strategy beam with --num-beams 1 is greedy search"),
+    (["--num-beams", "2", "--draft", "SELF"], "--num-beams 2 needs beam search, not --strategy speculative"),
+    (["--num-beams", "2", "--temperature", "0.7"], "beam search is deterministic here"),
+    (["--num-beams", "2", "--stop", "x"], "beam search does not stop at --stop strings"),
+    (["--num-beams", "2", "--stream"], "beam search settles its text only at the end"),
+    (["--strategy", "sample", "--num-beams", "3"], "--num-beams 3 needs beam search, not --strategy sample"),
+])
+def test_flags_the_strategy_would_drop_are_refused(ckpt, capsys, extra, message):
+    d, _, _ = ckpt
+    extra = [str(d) if x == "SELF" else x for x in extra]
+    assert main(["generate", "--checkpoint", str(d), "--prompt", "hi", "--max-new-tokens", "2", *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_empty_prompt_says_so(ckpt, capsys):
+    d, _, _ = ckpt
+    assert main(["generate", "--checkpoint", str(d), "--prompt", "", "--no-bos"]) == 2
+    assert "a prompt needs at least one token" in capsys.readouterr().err

@@ -74,6 +74,22 @@ def test_session_drops_oldest_turns_when_context_is_full(tiny_path):
     assert s.messages[-2]["content"].endswith("5") and len(s.messages) < 12
 
 
+def test_a_message_too_long_is_refused_and_the_session_goes_on(tiny_path, monkeypatch, capsys):
+    lines = iter(["hello", "the " * 200, "there", "/exit"])  # the middle one alone exceeds the 128-token context
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    seen: list[list[str]] = []
+    original = Tokenizer.apply_chat_template
+
+    def spy(self, messages, *args, **kwargs):
+        seen.append([m["content"] for m in messages])
+        return original(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "apply_chat_template", spy)
+    assert main(["chat", "--gguf", str(tiny_path), "--temperature", "0", "--max-new-tokens", "4"]) == 0
+    assert "error: the message is" in capsys.readouterr().err
+    assert seen[-1][0] == "hello" and seen[-1][-1] == "there"  # the earlier exchange is still in the prompt
+
+
 def test_info_reads_a_gguf_file(tiny_path, capsys):
     # `seqlab info` on the file a user has (not only on folders): config, size and the measured routes
     assert main(["info", str(tiny_path)]) == 0

@@ -14,6 +14,9 @@ import time
 import openai
 
 from seqlab.cli import main
+from seqlab.data.tokenizers import ByteTokenizer
+from seqlab.io import save_pretrained
+from tests.generate.gen_helpers import tiny_decoder
 
 MESSAGE = "the cat sat on"
 
@@ -77,3 +80,32 @@ def test_serve_cli_matches_chat_and_drains_on_sigterm(tiny_gguf, capsys):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_reads_a_completion_prompt_as_generate_does(tmp_path, capsys):
+    """A seqlab checkpoint's prompt starts with BOS in ``seqlab generate``; the server's completions route reads it
+    the same way (same greedy text, BOS counted in the usage), and a run folder is served under its own name."""
+    tok = ByteTokenizer()
+    model = tiny_decoder(seed=41, vocab_size=tok.vocab_size, max_seq_len=64, pad_token_id=tok.pad_id,
+                         bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)
+    folder = tmp_path / "tiny-run"
+    save_pretrained(model, folder)
+    tok.save(folder / "tokenizer.json")
+    assert main(["generate", "--checkpoint", str(folder), "--prompt", "KING", "--max-new-tokens", "6",
+                 "--temperature", "0", "--no-accel"]) == 0
+    want = capsys.readouterr().out.removesuffix("\n").removeprefix("KING")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "seqlab", "serve", "--checkpoint", str(folder), "--port",
+                             str(port), "--no-accel", "--max-batch", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        line = proc.stdout.readline()
+        assert line == f"listening on http://127.0.0.1:{port}\n", proc.stderr.read() if not line else line
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        assert c.models.list().data[0].id == "tiny-run"
+        reply = c.completions.create(model="tiny-run", prompt="KING", max_tokens=6, temperature=0)
+        assert reply.usage.prompt_tokens == 1 + len("KING")  # BOS, then the four bytes
+        assert reply.choices[0].text == want
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -119,6 +119,7 @@ def test_seeded_sampling_repeats(server):
     ({"max_tokens": 0}, "max_tokens"),
     ({"top_p": 0}, "top_p"),
     ({"n": 2}, "n"),
+    ({"seed": 2**64}, "seed"),
     ({"stop": [""]}, "stop"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),

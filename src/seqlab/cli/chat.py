@@ -83,20 +83,28 @@ class ChatSession:
         """The rendered conversation; the oldest turns are dropped if it would not fit the context window."""
         budget = self.model.config.max_seq_len - self.gen["max_new_tokens"]
         keep_from = 1 if self.system else 0
+        messages = list(self.messages)
         while True:
-            ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True)
-            if len(ids) <= budget or len(self.messages) - keep_from <= 1:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            if len(ids) <= budget or len(messages) - keep_from <= 1:
                 break
-            del self.messages[keep_from : keep_from + 2]  # forget the oldest user/assistant exchange
-        if len(ids) > budget:
+            del messages[keep_from : keep_from + 2]  # forget the oldest user/assistant exchange
+        if len(ids) > budget:  # the new message alone is too long: the conversation so far is kept as it was
             raise ValueError(f"the message is {len(ids)} tokens; the model's context allows {budget} "
                              f"with --max-new-tokens {self.gen['max_new_tokens']}")
+        self.messages = messages
         return ids
 
     def reply(self, user_text: str, on_text=None) -> str:
-        """Add the user's message, generate the assistant's reply (streamed to ``on_text``), remember and return it."""
+        """Add the user's message, generate the assistant's reply (streamed to ``on_text``), remember and return it.
+        A message that cannot fit the context is refused (ValueError) and leaves the conversation as it was."""
         self.messages.append({"role": "user", "content": user_text})
-        ids = torch.tensor([self._prompt_ids()], dtype=torch.long, device=next(self.model.parameters()).device)
+        try:
+            prompt = self._prompt_ids()
+        except ValueError:
+            self.messages.pop()
+            raise
+        ids = torch.tensor([prompt], dtype=torch.long, device=next(self.model.parameters()).device)
         new: list[int] = []
         shown = 0
         for chunk in stream(self.model, ids, **self.gen):
@@ -194,6 +202,11 @@ def _interactive(session: ChatSession, path: Path) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
 
-        session.reply(text, on_text=show)
+        try:
+            session.reply(text, on_text=show)
+        except ValueError as e:  # one message too long for the context: say so, keep the session going
+            sys.stdout.write("\n")
+            print(f"error: {e} (not sent; the conversation so far is kept)", file=err)
+            continue
         sys.stdout.write("\n")
         sys.stdout.flush()

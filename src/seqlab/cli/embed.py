@@ -62,8 +62,12 @@ def run_embed(args: argparse.Namespace) -> int:
         texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not texts:
         raise ValueError("no sentences: pass them as arguments, with --file, or on stdin")
+    if args.max_length is not None and args.max_length < 2:
+        raise ValueError(f"--max-length must be >= 2 (the [CLS] and [SEP] tokens), got {args.max_length}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     model, tokenizer, max_length = load_embedder(args.model)
-    emb = sentence_embeddings(model, tokenizer, texts, max_length=args.max_length or max_length,
+    emb = sentence_embeddings(model, tokenizer, texts, max_length=max_length if args.max_length is None else args.max_length,
                               batch_size=args.batch_size, show_progress=not args.no_progress)
     if args.cosine:
         sim = emb @ emb.T

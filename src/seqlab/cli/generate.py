@@ -40,8 +40,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--prompt", action="append", help="prompt text (repeat for a batch)")
     src.add_argument("--prompts-file", help="one prompt per line")
     p.add_argument("--strategy", choices=("greedy", "sample", "beam", "speculative"), default=None,
-                   help="default: speculative if --draft, beam if --num-beams > 1, sample if a sampling knob is set, "
-                        "else greedy")
+                   help="default: speculative if --draft, beam if --num-beams > 1, sample if a sampling knob "
+                        "(--temperature, --top-k, --top-p, --min-p) is set, else greedy; speculative decoding samples "
+                        "only with a sampling knob, like the others")
     p.add_argument("--draft", help="draft model folder for speculative decoding (same tokenizer)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the model's chat "
                    "template and print only the reply (as `seqlab chat --message` does)")
@@ -52,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--num-beams", type=int, default=1)
+    p.add_argument("--num-beams", type=int, default=None, help="beams for beam search (default 4 with --strategy "
+                   "beam, else 1)")
     p.add_argument("--length-penalty", type=float, default=1.0)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
@@ -68,16 +70,43 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _sampling_knob(args) -> bool:
+    return bool(args.top_k or args.top_p < 1.0 or args.min_p > 0.0 or args.temperature != 1.0)
+
+
 def _strategy(args) -> str:
     if args.strategy:
         return args.strategy
     if args.draft:
         return "speculative"
-    if args.num_beams > 1:
+    if args.num_beams is not None and args.num_beams > 1:
         return "beam"
-    if args.top_k or args.top_p < 1.0 or args.min_p > 0.0 or args.temperature != 1.0:
+    if _sampling_knob(args):
         return "sample" if args.temperature > 0 else "greedy"
     return "greedy"
+
+
+def _check_combination(args, strategy: str) -> None:
+    """Flags that the chosen strategy would not use are refused, not dropped without a word."""
+    if args.num_beams is not None and args.num_beams < 1:
+        raise ValueError(f"--num-beams must be >= 1 (got {args.num_beams})")
+    beams = args.num_beams if args.num_beams is not None else 1
+    if strategy == "beam":
+        if beams == 1 and args.num_beams is not None:
+            raise ValueError("--strategy beam with --num-beams 1 is greedy search: give --num-beams 2 or more")
+        if args.draft:
+            raise ValueError("--draft runs speculative decoding, which keeps one beam: drop --draft or the beams")
+        if _sampling_knob(args):
+            raise ValueError("beam search is deterministic here: --temperature/--top-k/--top-p/--min-p do not apply")
+        if args.stop:
+            raise ValueError("beam search does not stop at --stop strings (its beams are ranked on whole sequences)")
+        if args.stream:
+            raise ValueError("beam search settles its text only at the end: drop --stream")
+    elif beams > 1:
+        raise ValueError(f"--num-beams {beams} needs beam search, not --strategy {strategy}"
+                         + (" (--draft runs speculative decoding)" if args.draft else ""))
+    if strategy == "speculative" and not args.draft:
+        raise ValueError("--strategy speculative needs --draft DIR")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,11 +119,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.prompts_file}: no prompts (one per line)")
     else:
         prompts = args.prompt
-    if args.num_beams < 1:
-        raise ValueError(f"--num-beams must be >= 1 (got {args.num_beams})")
     strategy = _strategy(args)
-    if strategy == "speculative" and not args.draft:
-        raise ValueError("--strategy speculative needs --draft DIR")
+    _check_combination(args, strategy)
     if args.stream and len(prompts) > 1:
         raise ValueError("--stream prints one prompt's text; give a single --prompt")
 
@@ -112,21 +138,21 @@ def run(args: argparse.Namespace) -> int:
         rows = [prompt_ids(loaded, p, bos=not args.no_bos) for p in prompts]
     pad = tok.pad_id if tok.pad_id is not None else (model.config.pad_token_id or 0)
     T = max(len(r) for r in rows)
-    ids = torch.tensor([[pad] * (T - len(r)) + r for r in rows], device=next(model.parameters()).device)
-    mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows], device=ids.device)
+    ids = torch.tensor([[pad] * (T - len(r)) + r for r in rows], dtype=torch.long,
+                       device=next(model.parameters()).device)
+    mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=ids.device)
     eos = [e for e in dict.fromkeys([model.config.eos_token_id, tok.eos_id, tok.eot_id,
                                      *(turn_end_ids(tok) if args.chat else [])]) if e is not None]
 
     cfg = GenerationConfig(
-        max_new_tokens=args.max_new_tokens, do_sample=strategy in ("sample", "speculative") and args.temperature > 0,
+        max_new_tokens=args.max_new_tokens,
+        do_sample=(strategy == "sample" or strategy == "speculative" and _sampling_knob(args)) and args.temperature > 0,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, num_beams=args.num_beams if strategy == "beam" else 1,
+        repetition_penalty=args.repetition_penalty, num_beams=(args.num_beams or 4) if strategy == "beam" else 1,
         length_penalty=args.length_penalty, num_speculative_tokens=args.num_speculative_tokens,
         eos_token_id=eos, pad_token_id=pad, stop_strings=args.stop, seed=args.seed, truncate_prompt=args.truncate,
         compile=args.compile,
     )
-    if strategy == "beam" and cfg.num_beams == 1:
-        cfg = cfg.updated(num_beams=4)
     if not args.no_accel:  # inference only from here on: routes for the rows a decode step multiplies
         for m in (model, draft):
             if m is not None:
@@ -134,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
                            dtype="auto" if args.dtype == "auto" else None)
     if args.stream:
         s = stream(model, ids, mask, cfg, draft_model=draft, tokenizer=tok)
+        if not args.chat:
+            sys.stdout.write(prompts[0])  # a completion reads on from its prompt, as without --stream
         for chunk in s:
             sys.stdout.write(chunk.texts[0])
             sys.stdout.flush()

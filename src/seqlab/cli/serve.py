@@ -10,11 +10,12 @@ See docs/serving.md for the endpoints, the scheduler and the load test.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from torch import nn
 
 from seqlab.accel import accelerate
-from seqlab.cli.model_args import add_model_source, load_model
+from seqlab.cli.model_args import add_model_source, load_model, prompt_ids
 from seqlab.cli.packaged import SMOLLM2_PACKAGE, missing_package, packaged_smollm2
 from seqlab.serve.app import create_app
 from seqlab.serve.scheduler import Engine
@@ -75,8 +76,10 @@ def run(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)  # before loading: a busy port fails fast
     loaded = load_model(args, default_gguf=packaged_smollm2())
     model = prepare_model(loaded.model, accel=not args.no_accel, rows=args.accel_rows or args.max_batch)
-    name = args.model_name or (loaded.path.stem if loaded.path.is_file() else loaded.path.name)
+    source = Path(args.checkpoint or args.gguf or args.model or loaded.path)  # a run folder: its name, not a step's
+    name = args.model_name or (source.stem if source.is_file() else source.name)
     engine = Engine(model, max_batch=args.max_batch, max_queue=args.max_queue,
                     context=min(args.context, model.config.max_seq_len), prefill_chunk=args.prefill_chunk)
-    serve(create_app(engine, loaded.tokenizer, name), engine, sock, args.host, shutdown_timeout=args.shutdown_timeout)
+    app = create_app(engine, loaded.tokenizer, name, encode_prompt=lambda text: prompt_ids(loaded, text))
+    serve(app, engine, sock, args.host, shutdown_timeout=args.shutdown_timeout)
     return 0

@@ -69,6 +69,9 @@ class GenerationConfig(SamplingKnobs):
             self.stop_strings = [self.stop_strings]
         if any(not isinstance(s, str) or not s for s in self.stop_strings):
             raise bad("stop_strings", "a list of non-empty strings")
+        if self.num_beams > 1 and self.stop_strings:
+            raise ValueError("GenerationConfig: beam search does not stop at stop_strings (its beams are ranked on "
+                             "whole sequences); use num_beams=1, or cut the returned text yourself")
 
     @property
     def greedy(self) -> bool:

@@ -154,6 +154,9 @@ def make_generator(cfg: GenerationConfig, device: torch.device) -> torch.Generat
 
 def strategy_of(cfg: GenerationConfig, draft_model) -> str:
     if draft_model is not None:
+        if cfg.num_beams > 1:
+            raise ValueError("a draft model means speculative decoding, which keeps one beam: use num_beams=1, "
+                             "or beam search without the draft model")
         return "speculative"
     if cfg.num_beams > 1:
         return "beam"

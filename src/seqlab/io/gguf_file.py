@@ -111,7 +111,8 @@ class GGUFFile:
         gguf = import_gguf()
         self.path = Path(path)
         if not self.path.is_file():
-            raise GGUFError(f"{self.path}: no such file")
+            raise GGUFError(f"{self.path}: " + ("a folder, not a GGUF file (a Hugging Face folder is --model, a "
+                                                 "seqlab one --checkpoint)" if self.path.is_dir() else "no such file"))
         with open(self.path, "rb") as fh:
             if os.fstat(fh.fileno()).st_size < 24:
                 raise GGUFError(f"{self.path}: truncated GGUF: {os.fstat(fh.fileno()).st_size} bytes is shorter than the header")

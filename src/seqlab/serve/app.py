@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from starlette.applications import Starlette
 from starlette.requests import Request as HTTPRequest
@@ -25,8 +25,12 @@ from seqlab.serve.scheduler import Engine, Event, NotAcceptingError, QueueFullEr
 _POLL_S = 0.25  # how often a non-streaming handler checks whether its client is still connected
 
 
-def create_app(engine: Engine, tokenizer, model_name: str) -> Starlette:
+def create_app(engine: Engine, tokenizer, model_name: str,
+               encode_prompt: Callable[[str], list[int]] | None = None) -> Starlette:
+    """``encode_prompt`` turns a completion's prompt into ids (default ``tokenizer.encode``); ``seqlab serve`` passes
+    the rule ``seqlab generate`` uses, so both read a prompt alike (a seqlab checkpoint's starts with BOS)."""
     created = int(time.time())
+    encode_prompt = encode_prompt or tokenizer.encode
     chat_stop_ids = turn_end_ids(tokenizer)
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
 
@@ -51,7 +55,7 @@ def create_app(engine: Engine, tokenizer, model_name: str) -> Starlette:
     async def completions(http: HTTPRequest):
         body = protocol.parse_completion(await _json(http))
         _check_model(body.model)
-        ids = tokenizer.encode(body.prompt)
+        ids = encode_prompt(body.prompt)
         return await _run(http, body, ids, eos, chat=False, param="prompt")
 
     def _check_model(name: str) -> None:

@@ -62,7 +62,7 @@ def _number(body: dict, name: str, default: float, low: float, high: float, low_
     return float(value)
 
 
-def _int(body: dict, name: str, low: int) -> int | None:
+def _int(body: dict, name: str, low: int, high: int | None = None) -> int | None:
     value = body.get(name)
     if value is None:
         return None
@@ -70,6 +70,8 @@ def _int(body: dict, name: str, low: int) -> int | None:
         raise bad(name, f"must be an integer, got {value!r}")
     if value < low:
         raise bad(name, f"must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise bad(name, f"must be <= {high}, got {value}")
     return value
 
 
@@ -106,7 +108,7 @@ def _common(body: Any) -> GenerationRequest:
     max_tokens = _int(body, "max_tokens", 1) if max_tokens is None else max_tokens
     return GenerationRequest(
         model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), seed=_int(body, "seed", -(2**63)),
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), seed=_int(body, "seed", -(2**63), 2**64 - 1),
         stop=_stop(body), stream=stream, include_usage=bool(options.get("include_usage", False)),
         ignore_eos=ignore_eos,
     )
