@@ -168,6 +168,17 @@ def test_restore_plain_and_the_off_switch(monkeypatch):
     assert all(type(m) is not PackedLinear for m in model.modules()) and not hasattr(model, "accel_plan")
 
 
+def test_calibration_leaves_the_global_random_stream_alone():
+    """A seeded training run draws its dropout masks after ``accelerate``: a cold cache (timings taken) and a warm
+    one (nothing taken) must leave torch's generator where they found it."""
+    model = tiny_model()
+    torch.manual_seed(5)
+    accelerate(model, "train", rows=8, dtype="fp32", budget_s=0.3, use_cache=False)
+    after_calibration = torch.rand(4)
+    torch.manual_seed(5)
+    assert torch.equal(torch.rand(4), after_calibration)
+
+
 def test_generate_leaves_a_plain_model_plain():
     model = tiny_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -135,6 +135,9 @@ EXPORT_CASES: list[Case] = [
     Case("export-gguf-qwen3-with-bias", ["export", "{tmp}/q", "--format", "gguf", "--out", "{tmp}/q.gguf"], "GGUF qwen3: ModelConfig.qkv_bias=True", files={"q/config.json": '{"format": "seqlab", "config": {"qk_norm": true, "qkv_bias": true}}'}),
     Case("export-gguf-out-is-folder", ["export", "{run}", "--format", "gguf", "--out", "{tmp}"], "writes one file"),
     Case("export-hf-out-is-file", ["export", "{run}", "--format", "hf", "--out", "{tmp}/taken"], "writes a folder", files={"taken": "x"}),
+    Case("export-hf-out-not-empty", ["export", "{run}", "--format", "hf", "--out", "{tmp}/old"], "the folder is not empty", files={"old/special_tokens_map.json": "{}"}),
+    Case("export-hf-weights-type", ["export", "{run}", "--format", "hf", "--out", "{tmp}/o", "--weights", "q4_0"], "--weights q4_0 is a GGUF weight type"),
+    Case("export-quantised", ["export", "{tmp}/q8", "--format", "gguf", "--out", "{tmp}/q.gguf"], "a quantised checkpoint", files={"q8/config.json": '{"format": "seqlab", "config": {"extra": {"quant": {"layers": {}}}}}'}),
 ]
 
 QUANT_CASES: list[Case] = [
@@ -142,6 +145,7 @@ QUANT_CASES: list[Case] = [
     Case("quantize-group-48", ["quantize", "--checkpoint", "{run}/checkpoints/step_00000002", "--bits", "4", "--group-size", "48", "--out", "{tmp}/q"], "unsupported group size 48"),
     Case("quantize-group-not-dividing", ["quantize", "--checkpoint", "{run}/checkpoints/step_00000002", "--bits", "4", "--group-size", "64", "--out", "{tmp}/q"], "attn.qkv: group size 64 does not divide in_features=32"),
     Case("quantize-no-checkpoint", ["quantize", "--checkpoint", "{tmp}/nope", "--bits", "8", "--out", "{tmp}/q"], "nope"),
+    Case("quantize-out-not-empty", ["quantize", "--checkpoint", "{run}/checkpoints/step_00000002", "--bits", "8", "--out", "{tmp}/full"], "the folder is not empty", files={"full/keep.txt": "mine"}),
     Case("quantize-not-gguf", ["quantize", "--gguf", "{tmp}/x.gguf", "--bits", "8", "--out", "{tmp}/q"], "not a GGUF file", files={"x.gguf": "hello, this is plainly not a model file"}),
     Case("quantized-altered", ["generate", "--checkpoint", "{tmp}/q", "--prompt", "hi"], "truncated or altered", files={"q/config.json": '{"format": "seqlab", "config": {}, "quant": {"layout": {"layers": {}}, "sha256": "00"}}', "q/model.safetensors": "not the weights"}),
     Case("perplexity-empty-text", ["perplexity", "--checkpoint", "{run}/checkpoints/step_00000002", "--file", "{tmp}/e.txt"], "the text is empty", files={"e.txt": "  \n"}),
@@ -190,3 +194,17 @@ def test_bad_input(case: Case, tmp_path: Path, tiny_run: Path) -> None:
     assert len(err_lines) == 1, proc.stderr
     assert case.expect in err_lines[0], err_lines[0]
     assert _snapshot(tiny_run) == before, "an existing run directory changed"
+
+
+def test_seqlab_warnings_read_as_one_line_and_others_keep_their_form(capsys, monkeypatch):
+    import warnings
+
+    from seqlab.cli import _one_line_warning
+
+    passed_on = []
+    monkeypatch.setattr(warnings, "showwarning", lambda *args: passed_on.append(args[2]))
+    show = _one_line_warning("nnqs")
+    show(UserWarning("warm start: CCSD needs\n  a closed shell"), UserWarning, "/site/seqlab/nnqs/warm_start.py", 129)
+    show(UserWarning("deprecated"), UserWarning, "/site/torch/nn/functional.py", 7)
+    assert capsys.readouterr().err == "seqlab nnqs: warning: warm start: CCSD needs a closed shell\n"
+    assert passed_on == ["/site/torch/nn/functional.py"]  # another library's warning: shown as it always is

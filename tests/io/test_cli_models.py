@@ -4,6 +4,7 @@ spellings too), and one output convention (a completion after its prompt; a chat
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,19 @@ def test_generate_from_gguf_prints_prompt_then_continuation(tiny_gguf, dtype, ca
     assert out == "the cat" + tok.decode(new) + "\n"
 
 
+def test_a_quantised_gguf_keeps_the_files_bos_rule(tiny_gguf, tmp_path, capsys):
+    """``seqlab quantize --gguf`` writes a seqlab checkpoint, but its prompts still follow the GGUF tokenizer's
+    rule (no BOS here), not the one for models trained by seqlab: the same text, in and out."""
+    assert main(["quantize", "--gguf", str(tiny_gguf), "--bits", "8", "--out", str(tmp_path / "q")]) == 0
+    common = ["--prompt", "the cat", "--max-new-tokens", "5", "--no-pack", "--json"]
+    assert main(["generate", "--checkpoint", str(tmp_path / "q"), *common, str(tmp_path / "a.json")]) == 0
+    assert main(["generate", "--gguf", str(tiny_gguf), "--quant", "int8", *common, str(tmp_path / "b.json")]) == 0
+    a, b = (json.loads((tmp_path / f"{x}.json").read_text())["sequences"] for x in "ab")
+    _, tok = load_gguf(tiny_gguf)
+    assert a[0][:2] == tok.encode("the cat")[:2] and a == b
+    capsys.readouterr()
+
+
 def test_generate_chat_equals_chat_message(tiny_gguf, capsys):
     common = ["--gguf", str(tiny_gguf), "--temperature", "0", "--max-new-tokens", "6", "--dtype", "float32"]
     assert main(["chat", *common, "--message", "the there"]) == 0
@@ -53,3 +67,15 @@ def test_generate_chat_without_template_is_refused(tmp_path, capsys):
     assert main(["generate", "--checkpoint", str(folder), "--chat", "--prompt", "hi"]) == 2
     assert "--chat needs a chat template" in capsys.readouterr().err
 
+
+
+def test_info_counts_quantised_weights_and_describes_an_encoder(tiny_gguf, tmp_path, capsys):
+    dense, _ = load_gguf(tiny_gguf)
+    assert main(["quantize", "--gguf", str(tiny_gguf), "--bits", "8", "--out", str(tmp_path / "q")]) == 0
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "q")]) == 0
+    assert f"parameters: {dense.num_parameters():,} " in capsys.readouterr().out  # the same weights, packed
+    encoder = build_model(ModelConfig(arch="encoder", vocab_size=50, d_model=32, n_layers=1, n_heads=2))
+    save_pretrained(encoder, tmp_path / "bert")
+    assert main(["info", str(tmp_path / "bert")]) == 0
+    assert f"parameters: {encoder.num_parameters():,}   (encoder: no KV cache" in capsys.readouterr().out

@@ -18,6 +18,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from seqlab.cli import build_parser  # noqa: E402
+from seqlab.cli.model_args import load_model, prompt_ids  # noqa: E402
 from seqlab.data.tokenizers import ByteTokenizer, load_tokenizer  # noqa: E402
 from seqlab.generate import generate  # noqa: E402
 from seqlab.io import load_gguf, load_pretrained  # noqa: E402
@@ -109,6 +111,21 @@ def test_gguf_export_loads_in_seqlab(sft_run, tmp_path):
     assert gtok.apply_chat_template(MESSAGES, add_generation_prompt=True) == ids
     x = torch.tensor([ids])
     assert torch.equal(generate(loaded, x, max_new_tokens=12), generate(model, x, max_new_tokens=12))
+
+
+def test_exports_read_a_plain_prompt_as_generate_does(sft_run, tmp_path):
+    """The run's documents began with BOS, and ``seqlab generate`` gives its prompts one: each export records the
+    rule (HF's add_bos_token in tokenizer.json, GGUF's tokenizer.ggml.add_bos_token), so every reader adds it too."""
+    seqlab("export", str(sft_run), "--format", "hf", "--out", "hf", cwd=tmp_path)
+    seqlab("export", str(sft_run), "--format", "gguf", "--out", "m.gguf", cwd=tmp_path)
+    _, tok = _source(sft_run)
+    want = [tok.bos_id] + tok.encode("ROMEO: speak")
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")("ROMEO: speak").input_ids == want
+    by_flag = {}
+    for flag, where in (("--checkpoint", sft_run), ("--model", tmp_path / "hf"), ("--gguf", tmp_path / "m.gguf")):
+        args = build_parser().parse_args(["generate", flag, str(where), "--prompt", "x"])
+        by_flag[flag] = prompt_ids(load_model(args), "ROMEO: speak")
+    assert by_flag == {"--checkpoint": want, "--model": want, "--gguf": want}
 
 
 def test_checkpoint_dir_and_run_dir_export_the_same_model(sft_run, tmp_path):

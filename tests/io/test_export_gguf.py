@@ -10,6 +10,7 @@ import pytest
 import torch
 
 gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
 
 from seqlab import ModelConfig, build_model  # noqa: E402
 from seqlab.data.tokenizers import ByteTokenizer, train_bpe  # noqa: E402
@@ -18,6 +19,7 @@ from seqlab.io import load_gguf  # noqa: E402
 from seqlab.io.export_gguf import export_gguf, gguf_name, rope_permutation  # noqa: E402
 from seqlab.io.export_hf import ExportError, to_hf  # noqa: E402
 from seqlab.io.gguf import reverse_rope_permutation  # noqa: E402
+from seqlab.io.gguf_file import GGUFFile  # noqa: E402
 
 TEXTS = ["the quick brown fox jumps over the lazy dog. " * 3, "hello world, hello there! 12345 numbers", "ünïcödé text"] * 4
 PROMPT = "<|im_start|>user\nhello the quick fox<|im_end|>\n"
@@ -112,11 +114,18 @@ def test_quantised_values_read_back_as_written(tmp_path, bpe, weight_type):
 
 def test_byte_tokenizer_round_trips(tmp_path):
     tok = ByteTokenizer()
+    tok.set_special_rule(add_bos=True)
     model = _model(tok.vocab_size)
-    loaded, gtok = load_gguf(export_gguf(model, tmp_path / "b.gguf", tok, weight_type="f32"))
+    path = export_gguf(model, tmp_path / "b.gguf", tok, weight_type="f32")
+    loaded, gtok = load_gguf(path)
     text = "héllo <|im_start|>wörld<|im_end|>"
     assert gtok.encode(text, add_special_tokens=False) == tok.encode(text)
+    assert gtok.encode(text, add_special_tokens=True) == [tok.bos_id] + tok.encode(text)  # the BOS rule travels
     assert gtok.decode(tok.encode(text), skip_special_tokens=False) == text
+    # no merges, but the key is there: llama.cpp requires it for a gpt2 vocabulary, and transformers reads it
+    assert GGUFFile(path).metadata["tokenizer.ggml.merges"] == []
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="b.gguf")
+    assert hf_tok("héllo").input_ids == [tok.bos_id] + tok.encode("héllo")
 
 
 def test_explicit_head_dim_exports_as_llama_with_key_length(tmp_path, bpe):

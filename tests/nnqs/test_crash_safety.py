@@ -133,6 +133,10 @@ def test_a_new_run_never_mixes_with_an_old_one(tmp_path, system):
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     res = run_vmc(ham, VMCConfig(steps=4, checkpoint_every=1), out=out, resume=True)  # --resume extends it
     assert [r["step"] for r in res.records] == [0, 1, 2, 3] and len(_rows(out)) == 4
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match="already holds 4 steps"):  # fewer steps: refused, nothing rewritten
+        run_vmc(ham, VMCConfig(steps=2, checkpoint_every=1), out=out, resume=True)
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
 def test_first_sigint_checkpoints_the_step_and_a_second_one_leaves_at_once(tmp_path, system):

@@ -38,3 +38,6 @@ def test_quantize_load_generate_perplexity(tmp_path):
     result = json.loads((tmp_path / "p.json").read_text())
     assert {"perplexity", "bits_per_byte", "tokens", "bytes", "quant"} <= set(result)
     assert result["quant"] == "int4" and result["bytes"] == len((tmp_path / "t.txt").read_bytes())
+    # a second quantisation on top is refused, not ignored under a label it does not have
+    proc = run_seqlab(["perplexity", "--checkpoint", "q4", "--file", "t.txt", "--quant", "int8"], cwd=tmp_path)
+    assert proc.returncode == 2 and "--quant int8: --checkpoint" in proc.stderr and "already quantised" in proc.stderr

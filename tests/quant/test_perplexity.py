@@ -1,10 +1,13 @@
 """The sliding-window scorer scores every token once and agrees with one full pass when the text fits."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from seqlab.eval.perplexity import sliding_window_nll
+from seqlab import ModelConfig, build_model
+from seqlab.data.tokenizers import ByteTokenizer
+from seqlab.eval.perplexity import score_text, sliding_window_nll
 from tests.quant.conftest import tiny_decoder
 
 
@@ -24,3 +27,10 @@ def test_long_text_every_position_scored_once():
     ids = torch.randint(0, 96, (150,)).tolist()
     nll, scored = sliding_window_nll(model, ids, window=40, stride=10)
     assert scored == list(range(1, 150)) and nll > 0
+
+
+def test_an_encoder_is_refused_not_scored():
+    """A bidirectional encoder sees the very token it would predict: its "perplexity" would mean nothing."""
+    encoder = build_model(ModelConfig(arch="encoder", vocab_size=300, d_model=32, n_layers=1, n_heads=2))
+    with pytest.raises(ValueError, match="this model is an encoder"):
+        score_text(encoder, ByteTokenizer(), "some text to score")

@@ -213,7 +213,15 @@ def accelerate(model: nn.Module, for_: str = "decode", *, rows: int | None = Non
     plain unless the routes win there too (:mod:`seqlab.accel.verify`). For decoding, a fused whole step
     (:mod:`seqlab.accel.fused_step`) is timed against the plain one first; where it wins it is installed as
     ``model.fused_decode`` and the layers stay plain. The chosen plan is kept as ``model.accel_plan``.
+    The measurements draw on a forked random generator: a seeded run (dropout masks, data order) is the same
+    whether the calibration cache was cold or warm.
     """
+    with torch.random.fork_rng(devices=[]):
+        return _accelerate(model, for_, rows, dtype, routes, budget_s, use_cache, verify, fused)
+
+
+def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torch.dtype | None,
+                routes: Sequence[Route], budget_s: float, use_cache: bool, verify: bool, fused: bool) -> nn.Module:
     restore_plain(model)
     if os.environ.get(DISABLE_ENV, "").strip() in ("0", "off", "false", "no"):
         return model  # the plain model: the switch that tells a slow route from a wrong one

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import warnings
+from pathlib import Path
 
 import seqlab
 
@@ -42,7 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():
+            if not getattr(args, "debug", False):
+                warnings.showwarning = _one_line_warning(args.command)
+            return int(args.func(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -52,6 +57,18 @@ def main(argv: list[str] | None = None) -> int:
         message = " ".join(str(e).split())  # one line, whatever the message held
         print(f"seqlab {args.command}: error: {message}", file=sys.stderr)
         return 2
+
+
+def _one_line_warning(command: str):
+    """seqlab's own warnings as the errors are shown: one line naming the command, not Python's source excerpt."""
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if "seqlab" not in Path(filename).parts:  # another library's warning keeps its usual form
+            default(message, category, filename, lineno, file, line)
+            return
+        print(f"seqlab {command}: warning: {' '.join(str(message).split())}", file=file or sys.stderr)
+    return show
 
 
 if __name__ == "__main__":

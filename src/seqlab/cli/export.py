@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from seqlab.cli.model_args import source_kind
 from seqlab.config import ModelConfig
 from seqlab.data.tokenizers import load_tokenizer
 from seqlab.io.checkpoint import FORMAT, load_pretrained, read_config_json, resolve_checkpoint
@@ -57,6 +58,10 @@ def check_exportable(model_dir: Path, fmt: str) -> None:
         raise ValueError(f"{path}: missing field {e}") from e
     except (ValueError, TypeError) as e:
         raise ValueError(f"{path}: {e}") from e
+    if cfg.extra.get("quant"):
+        raise ValueError(f"{model_dir}: a quantised checkpoint (seqlab quantize) exports neither to HF nor to GGUF "
+                         "here; export the dense checkpoint it came from (--format gguf --weights q8_0 or q4_0 "
+                         "quantises on export)")
     if fmt == "gguf":
         check_gguf(cfg)
     else:
@@ -64,15 +69,23 @@ def check_exportable(model_dir: Path, fmt: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.format == "hf" and args.weights != "f32":
+        raise ValueError(f"--weights {args.weights} is a GGUF weight type; --format hf writes the weights as they are")
     model_dir = resolve_checkpoint(args.source)  # a run directory means its latest checkpoint
     check_exportable(model_dir, args.format)
     if args.format == "hf" and Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out}: is a file; --format hf writes a folder")
+    if args.format == "hf" and Path(args.out).is_dir() and any(Path(args.out).iterdir()):
+        raise ValueError(f"--out {args.out}: the folder is not empty (stale files would be read with the export); "
+                         "choose a new one")
     model = load_pretrained(model_dir, dtype=torch.float32)
     tokenizer = find_tokenizer(model_dir)
     if tokenizer is None:
         print(f"seqlab export: warning: no tokenizer.json next to {model_dir}; exporting the model only",
               file=sys.stderr)
+    elif source_kind(model) == "seqlab" and tokenizer.bos_id is not None:
+        # trained here: every document began with BOS, so the exported tokenizer adds it, as `seqlab generate` does
+        tokenizer.set_special_rule(add_bos=True, add_eos=tokenizer.add_eos_token)
     if args.format == "hf":
         eot = tokenizer.eot_id if tokenizer is not None else None
         out = export_hf(model, args.out, eot_id=eot if eot != model.config.eos_token_id else None)

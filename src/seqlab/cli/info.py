@@ -8,6 +8,7 @@ from pathlib import Path
 
 from seqlab.accel import accelerate
 from seqlab.io import load_gguf, load_pretrained
+from seqlab.quant import QuantLinear
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,8 +28,19 @@ def run(args: argparse.Namespace) -> int:
         else load_pretrained(args.path)
     cfg = model.config
     print(cfg.to_json())
+    if cfg.arch != "decoder":  # encoders have no decode loop, hence no cache and no decode routes
+        print(f"parameters: {parameter_count(model):,}   ({cfg.arch}: no KV cache, no decode routes)")
+        return 0
     per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
-    print(f"parameters: {model.num_parameters():,}   kv-cache: {per_token:,} bytes/token (fp32)")
+    print(f"parameters: {parameter_count(model):,}   kv-cache: {per_token:,} bytes/token (fp32)")
     # what `seqlab generate`/`chat` would run here by default: routes, fused decode step, bf16 prefill, with timings
     print(accelerate(model, "decode", rows=1, dtype="auto").accel_plan.summary())
     return 0
+
+
+def parameter_count(model) -> int:
+    """The weights the model computes with: a quantised layer counts its in x out values (and bias), which are
+    buffers of packed integers, not parameters."""
+    quantised = sum(m.in_features * m.out_features + (m.out_features if m.bias is not None else 0)
+                    for m in model.modules() if isinstance(m, QuantLinear))
+    return model.num_parameters() + quantised

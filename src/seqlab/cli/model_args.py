@@ -84,8 +84,7 @@ def load_model(args: argparse.Namespace, default_gguf: Path | None = None) -> Lo
         tok_path = folder / "tokenizer.json"
         if not tok_path.is_file():
             raise FileNotFoundError(f"{tok_path}: no tokenizer next to the checkpoint; text prompts need one")
-        kind = "hf" if model.config.extra.get("source", "").startswith("hf:") else "seqlab"
-        return LoadedModel(model, load_tokenizer(tok_path), folder, kind)
+        return LoadedModel(model, load_tokenizer(tok_path), folder, source_kind(model))
     if args.model:
         folder = Path(args.model)
         model = apply_quant(load_hf(folder, dtype=dtype, device=device), args.quant, f"--model {folder}")
@@ -95,6 +94,13 @@ def load_model(args: argparse.Namespace, default_gguf: Path | None = None) -> Lo
         raise ValueError("no model given: pass --checkpoint DIR, --gguf PATH or --model HFDIR")
     model, tokenizer = load_gguf(path, dtype=dtype, device=device, quant=args.quant)
     return LoadedModel(model, tokenizer, path, "gguf")
+
+
+def source_kind(model: nn.Module) -> str:
+    """Where a seqlab checkpoint's weights came from: ``"hf"`` or ``"gguf"`` (converted or quantised from such a
+    file: its tokenizer's own BOS rule holds), else ``"seqlab"`` (trained here, every document began with BOS)."""
+    kind = str(model.config.extra.get("source", "")).partition(":")[0]
+    return kind if kind in ("hf", "gguf") else "seqlab"
 
 
 def prompt_ids(loaded: LoadedModel, text: str, bos: bool = True) -> list[int]:
@@ -108,8 +114,10 @@ def prompt_ids(loaded: LoadedModel, text: str, bos: bool = True) -> list[int]:
 
 def apply_quant(model: nn.Module, quant: str | None, source: str) -> nn.Module:
     """Quantise a loaded dense model for ``--quant`` (``gguf`` keeps a GGUF file's blocks, so it applies at load)."""
-    if quant is None or model.config.extra.get("quant"):
+    if quant is None:
         return model
+    if model.config.extra.get("quant"):
+        raise ValueError(f"--quant {quant}: {source} is already quantised (seqlab quantize); drop --quant")
     if quant == "gguf":
         raise ValueError(f"--quant gguf keeps a GGUF file's blocks; {source} is not a GGUF file (use int8 or int4)")
     return quantize(model, bits=int(quant[3:]))

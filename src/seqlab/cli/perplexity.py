@@ -55,8 +55,8 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(args)
     model, tok = loaded.model, loaded.tokenizer
     score = score_text(model, tok, text, args.window, args.stride)
-    quant = args.quant or ("int%d" % next(iter(model.config.extra["quant"]["layers"].values()))["bits"]
-                           if model.config.extra.get("quant") else None)
+    stored = model.config.extra.get("quant")  # a quantised checkpoint: the bits it was saved with
+    quant = "int%d" % next(iter(stored["layers"].values()))["bits"] if stored else args.quant
     result = {"perplexity": score.perplexity, "bits_per_byte": score.bits_per_byte, "tokens": score.tokens,
               "bytes": score.bytes, "quant": quant, "window": score.window, "stride": score.stride}
     print(f"perplexity {score.perplexity:.4f}  bits/byte {score.bits_per_byte:.4f}  "

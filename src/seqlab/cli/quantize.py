@@ -35,6 +35,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"--out {out}: the folder is not empty; choose a new one (nothing is overwritten)")
     if args.gguf:
         model, tokenizer = load_gguf(args.gguf)
     else:

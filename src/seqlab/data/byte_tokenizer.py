@@ -61,17 +61,20 @@ class ByteTokenizer(Tokenizer):
         if not isinstance(text, str):
             raise TypeError(f"encode expects a str, got {type(text).__name__}")
         if self._special_re is None or not any(c in text for c in self._special_starts):  # fast path, no regex
-            return list(text.encode("utf-8"))
-        ids: list[int] = []
-        for i, part in enumerate(self._special_re.split(text)):
-            if i % 2:  # odd parts are the captured special-token strings
-                ids.append(self.special_tokens[part])
-            elif part:
-                ids.extend(part.encode("utf-8"))
+            ids = list(text.encode("utf-8"))
+        else:
+            ids = []
+            for i, part in enumerate(self._special_re.split(text)):
+                if i % 2:  # odd parts are the captured special-token strings
+                    ids.append(self.special_tokens[part])
+                elif part:
+                    ids.extend(part.encode("utf-8"))
+        if add_special_tokens:  # the file's rule, as the backend's post-processor applies it
+            ids = [self.bos_id] * self.add_bos_token + ids + [self.eos_id] * self.add_eos_token
         return ids
 
     def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False) -> list[list[int]]:
-        return [self.encode(t) for t in texts]
+        return [self.encode(t, add_special_tokens) for t in texts]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         if hasattr(ids, "tolist"):

@@ -21,10 +21,11 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from tokenizers import Tokenizer as Backend
+from tokenizers import processors
 
 from seqlab.data.chat_template import render_chat_template
 from seqlab.runtime import atomic_write_text
@@ -78,6 +79,19 @@ def bytes_to_unicode() -> dict[int, str]:
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, map(chr, cs)))
+
+
+def special_post_processor(spell: Callable[[int], str], bos: int | None, eos: int | None):
+    """The backend post-processor that wraps an encoded text in ``bos``/``eos`` (either may be None) when asked for
+    special tokens: what ``add_bos_token``/``add_eos_token`` mean, in the form tokenizer.json stores."""
+    if bos is None and eos is None:
+        return processors.ByteLevel(trim_offsets=False)
+    b = [f"{spell(bos)}:0"] if bos is not None else []
+    e = [f"{spell(eos)}:0"] if eos is not None else []
+    special = [(spell(i), i) for i in {x for x in (bos, eos) if x is not None}]
+    return processors.TemplateProcessing(
+        single=" ".join(b + ["$A:0"] + e), pair=" ".join(b + ["$A:0"] + e + b + ["$B:1"] + e), special_tokens=special
+    )
 
 
 class Tokenizer:
@@ -147,6 +161,16 @@ class Tokenizer:
         if not (folder / "tokenizer.json").is_file():
             raise TokenizerError(f"{folder}: no tokenizer.json")
         return cls.from_file(folder / "tokenizer.json")
+
+    def set_special_rule(self, add_bos: bool, add_eos: bool = False) -> None:
+        """Make ``encode(text, add_special_tokens=True)`` start with BOS / end with EOS, and store the rule in the
+        backend, so a saved tokenizer.json carries it to transformers (and an export to llama.cpp's flag)."""
+        for wanted, role in ((add_bos, "bos"), (add_eos, "eos")):
+            if wanted and getattr(self, f"{role}_id") is None:
+                raise TokenizerError(f"{self.name}: add_{role}_token needs a {role} token, and this tokenizer has none")
+        self.backend.post_processor = special_post_processor(self.token, self.bos_id if add_bos else None,
+                                                             self.eos_id if add_eos else None)
+        self.add_bos_token, self.add_eos_token = add_bos, add_eos
 
     # ------------------------------------------------------------------------------------------ saving
     def save(self, path: str | os.PathLike, model_max_length: int | None = None) -> None:

@@ -56,6 +56,8 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
     template = tok.chat_template if tok.chat_template != CHATML_TEMPLATE else None
     out = ByteTokenizer(specials, chat_template=template, eot_token=tok.eot_token)
     out.name = tok.name
+    if tok.add_bos_token or tok.add_eos_token:
+        out.set_special_rule(tok.add_bos_token, tok.add_eos_token)
     return out
 
 

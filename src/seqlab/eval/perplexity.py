@@ -61,6 +61,9 @@ def sliding_window_nll(model: torch.nn.Module, ids: list[int], window: int, stri
 def score_text(model: torch.nn.Module, tok: Tokenizer, text: str, window: int | None = None,
                stride: int | None = None) -> TextScore:
     """Perplexity and bits per byte of ``text`` under ``model`` (eval mode, no grad)."""
+    if model.config.arch != "decoder":  # an encoder sees the token it would predict: its "perplexity" means nothing
+        raise ValueError(f"perplexity scores a causal decoder's next-token predictions; this model is an "
+                         f"{model.config.arch} (ModelConfig.arch): use `seqlab eval RUN` for its own objective")
     window = int(window or model.config.max_seq_len)
     window = min(window, model.config.max_seq_len)
     stride = int(stride or max(1, window // 2))

@@ -103,7 +103,7 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike, tokenizer: Any = 
         tensors.pop("lm_head.weight")  # no output.weight: llama.cpp (and seqlab's reader) tie to token_embd
     out = Path(out_path)
     with atomic_path(out) as tmp:
-        writer = gguf.GGUFWriter(tmp, arch.name)
+        writer = _writer(gguf, tmp, arch.name)
         _write_metadata(writer, cfg, arch, tokenizer, weight_type, name)
         for hf_name, t in tensors.items():
             values = _numpy(t)
@@ -118,6 +118,20 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike, tokenizer: Any = 
         writer.write_tensors_to_file()
         writer.close()
     return out
+
+
+def _writer(gguf: Any, path: Path, arch_name: str):
+    """gguf's writer, except that it also writes an empty typed array: a byte tokenizer has no merges, llama.cpp
+    requires the merges key of a gpt2 vocabulary, and the format allows an empty array where the package refuses."""
+
+    class Writer(gguf.GGUFWriter):
+        def _pack_val(self, val, vtype, add_vtype, sub_type=None):
+            if vtype == gguf.GGUFValueType.ARRAY and sub_type is not None and len(val) == 0:
+                head = self._pack("I", vtype) if add_vtype else b""
+                return head + self._pack("I", sub_type) + self._pack("Q", 0)
+            return super()._pack_val(val, vtype, add_vtype, sub_type)
+
+    return Writer(path, arch_name)
 
 
 def _numpy(t: Tensor) -> np.ndarray:
@@ -147,11 +161,13 @@ def _write_metadata(writer, cfg, arch: GGUFArch, tokenizer, weight_type: str, na
     writer.add_tokenizer_pre("gpt2")
     writer.add_token_list(meta["tokens"])
     writer.add_token_types(meta["types"])
-    writer.add_token_merges(meta["merges"])
+    gguf = _import_gguf()
+    writer.add_key_value(gguf.Keys.Tokenizer.MERGES, meta["merges"], gguf.GGUFValueType.ARRAY,
+                         sub_type=gguf.GGUFValueType.STRING)  # written even when empty (see _writer)
     for key, adder in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
                        ("pad", writer.add_pad_token_id)):
         if meta[key] is not None:
             adder(meta[key])
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(bool(tokenizer.add_bos_token))
     if meta["chat_template"]:
         writer.add_chat_template(meta["chat_template"])

@@ -8,12 +8,12 @@ along. Parsing model files is the edge's job (io/); the Tokenizer class itself l
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from seqlab.data.tokenizer import Tokenizer, TokenizerError, bytes_to_unicode
+from seqlab.data.tokenizer import Tokenizer, TokenizerError, bytes_to_unicode, special_post_processor
 
 __all__ = ["GGUF_PRE_TOKENIZERS", "tokenizer_from_gguf"]
 
@@ -116,21 +116,10 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], source: str = "<gguf>") -> 
     bos, eos = tid("bos_token_id"), tid("eos_token_id")
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
-    _set_post_processor(backend, spelled, bos if add_bos else None, eos if add_eos else None)
+    backend.post_processor = special_post_processor(spelled.__getitem__, bos if add_bos else None,
+                                                    eos if add_eos else None)
     return Tokenizer(
         backend, bos_id=bos, eos_id=eos, pad_id=tid("padding_token_id"), unk_id=tid("unknown_token_id"),
         chat_template=metadata.get("tokenizer.chat_template") or "", add_bos_token=add_bos,
         add_eos_token=add_eos, name=source,
     )
-
-def _set_post_processor(backend: Backend, tokens: Sequence[str], bos: int | None, eos: int | None) -> None:
-    if bos is None and eos is None:
-        backend.post_processor = processors.ByteLevel(trim_offsets=False)
-        return
-    b = [f"{tokens[bos]}:0"] if bos is not None else []
-    e = [f"{tokens[eos]}:0"] if eos is not None else []
-    special = [(tokens[i], i) for i in {x for x in (bos, eos) if x is not None}]
-    backend.post_processor = processors.TemplateProcessing(
-        single=" ".join(b + ["$A:0"] + e), pair=" ".join(b + ["$A:0"] + e + b + ["$B:1"] + e), special_tokens=special
-    )
-

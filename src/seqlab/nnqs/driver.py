@@ -94,6 +94,9 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
         raise ValueError("VMCConfig.lbfgs_steps: L-BFGS needs a summed energy (the exact or selected sum), not samples")
     if checkpoint is not None:
         start_step, t0, restored = load_checkpoint(store, checkpoint, wf, opt, guard, ham, selected)
+        if start_step > cfg.steps:  # fewer steps than it ran: say so rather than rewrite its result with fewer
+            raise ValueError(f"VMCConfig.steps={cfg.steps}: the run already holds {start_step} steps; resume with "
+                             f"more --steps to continue it")
     warm = None
     if warm_start is not None and checkpoint is None:  # same seed, same data: every rank fits the same parameters
         t_fit = time.perf_counter()

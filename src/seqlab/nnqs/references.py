@@ -85,6 +85,7 @@ def reference_energies(mf, h1: np.ndarray, eri: np.ndarray, e_nuc: float, nelec:
         try:
             mycc = pcc.CCSD(mf)
             mycc.verbose = 0
+            mycc.conv_tol, mycc.conv_tol_normt = 1e-10, 1e-8  # PySCF's defaults leave ~1e-7 Ha: CCSD "below" FCI
             mycc.kernel()
             ref.e_ccsd = float(mycc.e_tot)
             if not mycc.converged:
