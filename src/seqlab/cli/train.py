@@ -116,10 +116,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("checkpoint", help="run directory or checkpoints/step_* directory")
     e.add_argument("--data", default=None, help="evaluate on this file (default: the run's held-out split)")
     e.add_argument("--split", default="validation", help="train | validation (default validation)")
-    e.add_argument("--batch-size", type=int, default=None)
-    e.add_argument("--max-batches", type=int, default=None)
+    e.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the run's)")
+    e.add_argument("--max-batches", type=int, default=None, help="score only the first N batches (default: all)")
     e.add_argument("--device", default="cpu")
-    e.add_argument("--precision", default="fp32", help="fp32 | bf16 | auto")
+    e.add_argument("--precision", default="fp32", help="fp32 | bf16 | auto (auto: the run's precision)")
     e.add_argument("--json", dest="json_out", default=None, help="also write the results to this JSON file")
     e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     e.add_argument("--debug", action="store_true")
@@ -201,11 +201,14 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    for flag, value in (("--batch-size", args.batch_size), ("--max-batches", args.max_batches)):
+        if value is not None and value < 1:  # 0 batches would print loss 0 and perplexity 1 as if measured
+            raise ValueError(f"{flag} must be at least 1, got {value}")
     if args.json_out:
         check_writable_file(args.json_out, "--json")  # before the evaluation, which can take minutes
     res = evaluate_checkpoint(args.checkpoint, data=args.data, split=args.split, batch_size=args.batch_size,
                               max_batches=args.max_batches, device=args.device, precision=args.precision,
-                              show_progress=args.progress)
+                              show_progress=args.progress, load_folder=_load_model_folder)
     for k in ("loss", "perplexity", "bits_per_token", "bits_per_byte", "n_targets", "n_bytes"):
         if k in res:
             v = res[k]

@@ -14,12 +14,13 @@ import torch
 from torch import Tensor
 
 IGNORE_INDEX = -100
+PADDING_SIDES = ("right", "left")
 
 
 def pad_sequences(seqs: Sequence[Sequence[int]], pad_value: int, side: str = "right",
                   length: int | None = None, dtype: torch.dtype = torch.long) -> Tensor:
     """[B, L] tensor, L = ``length`` or the longest sequence; ``side`` is where the padding goes."""
-    if side not in ("right", "left"):
+    if side not in PADDING_SIDES:
         raise ValueError(f"padding side must be 'right' or 'left', got {side!r}")
     if not seqs:
         raise ValueError("cannot pad an empty batch")

@@ -56,11 +56,14 @@ def _split_split(split: str) -> str:
     return "all" if split == "all" else normalise_split(split)
 
 
-def split_items(items: Sequence[Any], split: str) -> list[Any]:
+def split_items(items: Sequence[Any], split: str, source: str | os.PathLike | None = None) -> list[Any]:
+    """The ``split`` of ``items`` (from the file ``source``, named in errors): every 20th is validation."""
     if split == "all":
         return list(items)
     if len(items) < 2:
-        raise ValueError(f"need at least 2 examples to hold some out for {split!r}; got {len(items)} (use split='all')")
+        where = f"{source}: " if source is not None else ""
+        raise ValueError(f"{where}{len(items)} example(s); a file split into train and validation needs at least 2 "
+                         "(every 20th example, and at least one, is held out for validation)")
     held = [i for i in range(len(items)) if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1] or [len(items) - 1]
     held_set = set(held)
     keep = held if split == "validation" else [i for i in range(len(items)) if i not in held_set]
@@ -83,7 +86,7 @@ def _documents(path: str | os.PathLike | None, split: str) -> list[str]:
     docs = readers.read_documents(path)
     if len(docs) == 1:
         return [split_text(docs[0], split)]
-    return split_items(docs, split)
+    return split_items(docs, split, path)
 
 
 def token_stream(docs: Sequence[str], tokenizer: Any) -> torch.Tensor:
@@ -161,13 +164,14 @@ def build_dataset(objective: str, path: str | os.PathLike | None, tokenizer: Any
         raise ValueError(f"unknown objective {objective!r}; expected clm, mlm, seq2seq, sft or dpo")
     if path is not None:
         if objective == "seq2seq":
-            items = [_seq2seq_item(tokenizer, seq_len, ex) for ex in split_items(readers.read_seq2seq(path), split)]
+            items = [_seq2seq_item(tokenizer, seq_len, ex)
+                     for ex in split_items(readers.read_seq2seq(path), split, path)]
         elif objective == "sft":
             items = [tokenize_chat(tokenizer, ex["messages"], seq_len)
-                     for ex in split_items(readers.read_sft(path), split)]
+                     for ex in split_items(readers.read_sft(path), split, path)]
         else:
             items = [tokenize_preference(tokenizer, ex, seq_len)
-                     for ex in split_items(readers.read_preferences(path), split)]
+                     for ex in split_items(readers.read_preferences(path), split, path)]
         return Examples(items, info=info)
     n_train, n_val = SYNTHETIC_SIZES[objective]
     n = size or (n_val if split == "validation" else n_train)

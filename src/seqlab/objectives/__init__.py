@@ -15,6 +15,7 @@ Every objective follows one contract (``objectives.base``)::
 from __future__ import annotations
 
 import inspect
+import typing
 from typing import Any
 
 from seqlab.objectives.base import BaseObjective, Objective
@@ -36,16 +37,52 @@ def objective_class(name: str) -> type[BaseObjective]:
     return OBJECTIVES[name]
 
 
-def build_objective(name: str, tokenizer: Any, **kwargs: Any) -> BaseObjective:
-    """An objective from the registry. Unknown names or keyword arguments fail here, naming what is accepted."""
+def _option_types(cls: type[BaseObjective]) -> dict[str, tuple[type, ...]]:
+    """Each keyword option of ``cls.__init__`` -> the types its annotation allows (``float | None`` -> float, None)."""
+    hints = typing.get_type_hints(cls.__init__)
+    params = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "tokenizer")]
+    return {p: tuple(type(None) if a is None else a for a in (typing.get_args(hints[p]) or (hints[p],)))
+            for p in params}
+
+
+_TYPE_WORDS = {float: "a number", int: "an integer", str: "a string", bool: "true or false", type(None): "null"}
+
+
+def _fits(value: Any, kind: type) -> bool:
+    """``isinstance`` as JSON values mean it: a float option takes an int, no number option takes a bool."""
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, kind)
+
+
+def check_objective_options(name: str, options: dict[str, Any]) -> None:
+    """Refuse an unknown option, or a value of the wrong type or range, naming the option.
+
+    Why here and not in the constructor alone: the CLI checks ``--objective-arg`` while validating the TrainConfig,
+    before a tokenizer exists and before anything is written, so a typo never leaves a half-made run folder behind
+    (and a TypeError deep inside a loss never reaches the user). The constructors run the same range checks.
+    """
     cls = objective_class(name)
-    accepted = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "tokenizer")]
-    unknown = sorted(set(kwargs) - set(accepted))
+    types = _option_types(cls)
+    unknown = sorted(set(options) - set(types))
     if unknown:
-        raise ValueError(f"objective {name!r} got unknown option(s) {unknown}; it accepts {accepted}")
-    return cls(tokenizer, **kwargs)
+        raise ValueError(f"objective {name!r} got unknown option(s) {unknown}; it accepts {list(types)}")
+    for key, value in options.items():
+        if not any(_fits(value, kind) for kind in types[key]):
+            expected = " or ".join(_TYPE_WORDS.get(k, f"a {k.__name__} object") for k in types[key])
+            raise ValueError(f"objective {name!r}: option {key}={value!r} must be {expected}")
+    defaults = {k: p.default for k, p in inspect.signature(cls.__init__).parameters.items() if k in types}
+    cls.check_options(defaults | options)
+
+
+def build_objective(name: str, tokenizer: Any, **kwargs: Any) -> BaseObjective:
+    """An objective from the registry. Unknown names, options or bad option values fail here, naming them."""
+    check_objective_options(name, kwargs)
+    return objective_class(name)(tokenizer, **kwargs)
 
 
 __all__ = ["BaseObjective", "CausalLM", "DPO", "IGNORE_INDEX", "MaskedLM", "OBJECTIVES", "Objective",
-           "ObjectiveOutput", "SFT", "Seq2Seq", "build_objective", "causal_lm_loss", "dpo_loss", "mask_tokens",
-           "next_token_labels", "objective_class", "token_cross_entropy"]
+           "ObjectiveOutput", "SFT", "Seq2Seq", "build_objective", "causal_lm_loss", "check_objective_options",
+           "dpo_loss", "mask_tokens", "next_token_labels", "objective_class", "token_cross_entropy"]

@@ -19,7 +19,12 @@ Optional hooks with no-op defaults in :class:`BaseObjective`:
 Class attributes tell the trainer and the CLI what they would otherwise learn from the objective's name:
 ``token_level`` (the loss is a mean NLL per target token, so perplexity and bits per byte mean something),
 ``loss_label`` (the y-axis of the loss curve), ``natural_text`` (trains on prose: BPE by default, trained on the
-run's own text) and ``can_pack`` (rows may hold several documents under a document mask).
+run's own text), ``can_pack`` (rows may hold several documents under a document mask) and ``uses_initial_model``
+(``setup`` keeps the model it is given, DPO's frozen reference: ``seqlab eval`` must then rebuild the run's
+initial model and pass that, or the loss would be measured against the trained weights themselves).
+
+``check_options(options)`` (a classmethod) refuses out-of-range option values before the objective exists, so
+the CLI can check ``--objective-arg`` before it writes anything; the constructors call it too.
 
 Objectives call the model only through ``model(...)`` (its ``forward``), so DDP/FSDP wrappers see every pass.
 """
@@ -53,6 +58,12 @@ class BaseObjective:
     loss_label = "loss (nats / target token)"
     natural_text = False
     can_pack = False
+    uses_initial_model = False
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        """Raise ``ValueError`` naming the first option whose value is out of range (types are checked already,
+        by ``objectives.check_objective_options``). ``options`` holds the constructor's keyword arguments."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from seqlab.data.collate import pad_labels, pad_sequences, pad_with_mask
+from seqlab.data.collate import PADDING_SIDES, pad_labels, pad_sequences, pad_with_mask
 from seqlab.objectives.base import BaseObjective
 from seqlab.objectives.loss import IGNORE_INDEX, ObjectiveOutput, count_bytes, token_cross_entropy
 
@@ -65,7 +65,15 @@ class CausalLM(BaseObjective):
 
     def __init__(self, tokenizer: Any, padding_side: str = "right"):
         super().__init__(tokenizer)
+        self.check_options({"padding_side": padding_side})
         self.padding_side = padding_side
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        """``padding_side`` is one of ``PADDING_SIDES`` (found otherwise only at the first collate, mid-run)."""
+        if options["padding_side"] not in PADDING_SIDES:
+            raise ValueError(f"objective {cls.name!r}: option padding_side={options['padding_side']!r} must be one "
+                             f"of {list(PADDING_SIDES)}")
 
     def collate(self, examples: list) -> dict[str, Tensor]:
         ex = [_as_example(e) for e in examples]

@@ -20,6 +20,7 @@ checkpoint is loaded, so the reference is the initial policy); if nobody called 
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
@@ -54,19 +55,28 @@ class DPO(BaseObjective):
     name = "dpo"
     arch = "decoder"
     token_level = False  # a per-pair preference loss: perplexity and bits per byte mean nothing
+    uses_initial_model = True  # setup() snapshots the initial policy as the frozen reference
     loss_label = "DPO loss (-log sigmoid(beta * reward margin), per pair)"
 
     def __init__(self, tokenizer: Any, beta: float = 0.1, reference: torch.nn.Module | None = None,
                  max_len: int | None = None, template: str | None = None):
         super().__init__(tokenizer)
-        if beta <= 0:
-            raise ValueError(f"DPO beta must be positive, got {beta}")
+        self.check_options({"beta": beta, "max_len": max_len})
         self.beta, self.max_len, self.template = beta, max_len, template
         if template is not None:
             tokenizer.chat_template = template  # as in SFT: datasets tokenise with the tokenizer's template
         self.reference = None
         if reference is not None:
             self.set_reference(reference)
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        """``beta`` positive and finite (it scales the margin inside the sigmoid), ``max_len`` None or positive."""
+        beta, max_len = options["beta"], options["max_len"]
+        if not (math.isfinite(beta) and beta > 0):
+            raise ValueError(f"objective 'dpo': option beta={beta!r} must be a positive finite number")
+        if max_len is not None and max_len < 1:
+            raise ValueError(f"objective 'dpo': option max_len={max_len!r} must be a positive integer or null")
 
     # --- reference -------------------------------------------------------------------------------------------
     def set_reference(self, model: torch.nn.Module) -> None:

@@ -58,14 +58,27 @@ class MaskedLM(BaseObjective):
         super().__init__(tokenizer)
         if tokenizer.mask_id is None:
             raise ValueError(f"MLM needs a [MASK] token; tokenizer {tokenizer.name!r} has none")
-        if not 0.0 < mask_prob <= 1.0 or mask_frac < 0 or random_frac < 0 or mask_frac + random_frac > 1:
-            raise ValueError(f"bad MLM rates: mask_prob={mask_prob}, mask_frac={mask_frac}, random_frac={random_frac}")
+        self.check_options({"mask_prob": mask_prob, "mask_frac": mask_frac, "random_frac": random_frac})
         self.mask_prob, self.mask_frac, self.random_frac = mask_prob, mask_frac, random_frac
         self.seed = seed
         self.calls = 0
         specials = set(tokenizer.special_ids) | ({tokenizer.pad_id} if tokenizer.pad_id is not None else set())
         self.special = torch.tensor(sorted(specials), dtype=torch.long)
         self.random_pool = torch.tensor([i for i in range(tokenizer.vocab_size) if i not in specials], dtype=torch.long)
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        """The rates are probabilities: ``mask_prob`` in (0, 1] (0 would leave no target), the two others >= 0
+        and together at most 1 (the rest of the picked tokens stays unchanged)."""
+        prob, frac, rand = options["mask_prob"], options["mask_frac"], options["random_frac"]
+        if not 0.0 < prob <= 1.0:
+            raise ValueError(f"objective 'mlm': option mask_prob={prob!r} must be in (0, 1]")
+        for key, value in (("mask_frac", frac), ("random_frac", rand)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"objective 'mlm': option {key}={value!r} must be in [0, 1]")
+        if frac + rand > 1.0:
+            raise ValueError(f"objective 'mlm': options mask_frac={frac!r} and random_frac={rand!r} must add up to "
+                             "at most 1")
 
     def _generator(self) -> torch.Generator:
         g = torch.Generator()

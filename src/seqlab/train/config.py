@@ -8,13 +8,14 @@ holds ``to_dict()`` so ``--resume`` can refuse a config that changed in a way th
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from seqlab.config import ConfigError, ModelConfig
-from seqlab.objectives import OBJECTIVES
+from seqlab.objectives import OBJECTIVES, check_objective_options
 from seqlab.runtime.files import read_json_object
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -100,8 +101,11 @@ class TrainConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise TrainConfigError(name, f"must be a non-negative integer, got {value!r}")
-        if not self.lr > 0:
-            raise TrainConfigError("lr", f"must be positive, got {self.lr!r}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise TrainConfigError("lr", f"must be a positive finite number, got {self.lr!r}")
+        for name in ("weight_decay", "eps"):  # `nan < 0` is False: the range checks below would let NaN through
+            if not math.isfinite(getattr(self, name)):
+                raise TrainConfigError(name, f"must be a finite number, got {getattr(self, name)!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise TrainConfigError("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio!r}")
         if self.warmup_frac is not None and not 0.0 <= self.warmup_frac < 1.0:
@@ -122,8 +126,15 @@ class TrainConfig:
             raise TrainConfigError("schedule", f"unknown schedule {self.schedule!r}; expected one of {SCHEDULES}")
         if self.eval_batches is not None and self.eval_batches <= 0:
             raise TrainConfigError("eval_batches", f"must be positive or None, got {self.eval_batches!r}")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool)
+                                             or self.num_threads <= 0):
+            raise TrainConfigError("num_threads", f"(--threads) must be a positive integer, got {self.num_threads!r}")
         if self.objective not in OBJECTIVES:
             raise TrainConfigError("objective", f"unknown objective {self.objective!r}; expected one of {sorted(OBJECTIVES)}")
+        try:  # now, before a run folder is written: a bad value would otherwise surface mid-run, or as a TypeError
+            check_objective_options(self.objective, self.objective_kwargs)
+        except ValueError as e:
+            raise TrainConfigError("objective_kwargs", f"(--objective-arg) {e}") from None
         known = {f.name for f in dataclasses.fields(ModelConfig)}
         unknown = sorted(set(self.model) - known)
         if unknown:
@@ -157,9 +168,11 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
-# Fields that may change between a checkpoint and its resumption without breaking exactness.
+# Fields that may change between a checkpoint and its resumption without breaking exactness. ``init`` may not:
+# the resumed weights come from the checkpoint, but DPO's frozen reference is rebuilt from ``init``.
+# ``max_steps`` may, but it re-stretches the schedule (the Trainer warns) and must stay above the resumed step.
 RESUME_MUTABLE = frozenset({
-    "out_dir", "init", "val_data", "eval_interval_s", "max_steps", "max_time_s", "eval_interval", "eval_batches", "eval_batch_size", "log_interval",
+    "out_dir", "val_data", "eval_interval_s", "max_steps", "max_time_s", "eval_interval", "eval_batches", "eval_batch_size", "log_interval",
     "ckpt_interval", "keep_last", "progress", "plot", "compile", "activation_checkpointing", "num_threads",
     "device",
 })

@@ -16,6 +16,7 @@ import seqlab.runtime.dist as D
 import seqlab.train.checkpoint as ckpt
 from seqlab.config import ModelConfig
 from seqlab.data import build_dataset, load_tokenizer
+from seqlab.data.corpus import normalise_split
 from seqlab.eval.metrics import EvalTotals, evaluate
 from seqlab.model import build_model
 from seqlab.objectives import build_objective
@@ -23,7 +24,7 @@ from seqlab.runtime.dist import resolve_device
 from seqlab.runtime.errors import CheckpointError
 from seqlab.train.config import TrainConfig
 from seqlab.train.precision import Precision, resolve_precision
-from seqlab.train.run import dataset_options
+from seqlab.train.run import FolderLoader, dataset_options, initial_model, validation_dataset
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -71,25 +72,52 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu"):
     return model.to(device).eval(), load_tokenizer(tok_path), cfg, cdir
 
 
+def _eval_data(cfg: TrainConfig, tok: Any, data: str | None, split: str) -> tuple[Any, str, str]:
+    """(examples, what they are, split) for ``seqlab eval``: ``data`` whole; else the run's validation set exactly
+    as the trainer built it (its ``--val-data`` if it had one), or the training split of its ``--data``."""
+    if data is not None:
+        ds = build_dataset(cfg.objective, data, tok, cfg.seq_len, "all", cfg.seed, **dataset_options(cfg))
+        return ds, data, "all"
+    if split != "all" and normalise_split(split) == "validation" and cfg.val_data is not None:
+        return validation_dataset(cfg, tok), cfg.val_data, "all"
+    ds = build_dataset(cfg.objective, cfg.data, tok, cfg.seq_len, split, cfg.seed, **dataset_options(cfg))
+    return ds, cfg.data or "embedded default", split
+
+
+def _setup_objective(objective: Any, model: torch.nn.Module, cfg: TrainConfig, load_folder: FolderLoader | None,
+                     device: torch.device) -> None:
+    """Call ``objective.setup`` as the Trainer did: with the run's initial model when the objective keeps it (DPO's
+    reference; with the trained model instead every DPO loss would read ln 2), else with the model itself."""
+    if not objective.uses_initial_model:
+        objective.setup(model)
+        return
+    if cfg.init and not Path(cfg.init).exists():
+        raise ValueError(f"--init {cfg.init}: no such file or directory; this {cfg.objective} run is scored against "
+                         "its initial model, which is rebuilt from those weights")
+    with torch.random.fork_rng(devices=[]):  # rebuilding the seeded init must not move the caller's RNG
+        initial = initial_model(cfg, model.config, load_folder)
+    objective.setup(initial.to(device).eval())
+
+
 @torch.no_grad()
 def evaluate_checkpoint(path: str | Path, data: str | None = None, split: str = "validation",
                         batch_size: int | None = None, max_batches: int | None = None, device: str = "cpu",
-                        precision: str = "fp32", show_progress: bool = False) -> dict[str, Any]:
+                        precision: str = "fp32", show_progress: bool = False,
+                        load_folder: FolderLoader | None = None) -> dict[str, Any]:
+    """Score a checkpoint as the trainer scored it: the same validation set, reference model (DPO) and, with
+    ``precision="auto"``, the run's precision. ``load_folder`` reads a model-folder ``--init`` (see train/run.py)."""
     dev = resolve_device(device)
     model, tok, cfg, cdir = load_trained(path, dev)
     objective = build_objective(cfg.objective, tok, **cfg.objective_kwargs)
-    objective.setup(model)  # DPO: without its original reference the margin is relative to this model
-    kw = dataset_options(cfg)
-    if data is not None:
-        ds = build_dataset(cfg.objective, data, tok, cfg.seq_len, "all", cfg.seed, **kw)
-    else:
-        ds = build_dataset(cfg.objective, cfg.data, tok, cfg.seq_len, split, cfg.seed, **kw)
+    _setup_objective(objective, model, cfg, load_folder, dev)
+    ds, source, split_name = _eval_data(cfg, tok, data, split)
     bs = batch_size or cfg.eval_batch_size or cfg.batch_size
     starts = range(0, len(ds), bs)
     batches = (objective.collate([ds[j] for j in range(i, min(i + bs, len(ds)))]) for i in starts)
-    with resolve_precision(precision, dev).autocast(), objective.evaluating():
+    run_precision = resolve_precision(cfg.precision if precision == "auto" else precision, dev)
+    with run_precision.autocast(), objective.evaluating():
         res = evaluate(model, objective, batches, device=dev, max_batches=max_batches, total=len(starts),
                        show_progress=show_progress)
-    res.update(checkpoint=str(cdir), objective=cfg.objective, data=data or cfg.data or "embedded default",
-               split="all" if data else split, examples=len(ds))
+    res.update(checkpoint=str(cdir), objective=cfg.objective, data=source, split=split_name, examples=len(ds),
+               precision=run_precision.name)
     return res

@@ -6,6 +6,7 @@ benchmarks all build runs the same way.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -58,6 +59,9 @@ def build_tokenizer_for(cfg: TrainConfig, cache_dir: str | Path | None = None, r
             raise ValueError(f"{saved}: built for --tokenizer {recorded}, but this run asks for --tokenizer {spec}; "
                              "a resumed run must keep its tokenizer")
         return load_tokenizer(saved)
+    if spec != "byte" and not re.fullmatch(r"bpe(:\d+)?", spec) and not Path(spec).exists():
+        raise ValueError(f"--tokenizer {spec}: no such file (expected byte, bpe, bpe:<vocab_size> or the path of a "
+                         "tokenizer.json)")
     train_texts = None
     if spec.startswith("bpe") and cfg.data is not None and objective_class(cfg.objective).natural_text:
         train_texts = read_documents(cfg.data)
@@ -68,14 +72,19 @@ def dataset_options(cfg: TrainConfig) -> dict[str, Any]:
     return {"pack": True} if cfg.pack and objective_class(cfg.objective).can_pack else {}
 
 
-def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[Any, Any]:
-    rows, kw = cfg.seq_len, dataset_options(cfg)  # tokens per row the model sees
-    train = build_dataset(cfg.objective, cfg.data, tokenizer, rows, "train", cfg.seed, **kw)
+def validation_dataset(cfg: TrainConfig, tokenizer) -> Any:
+    """The run's validation examples: all of ``--val-data`` when the run has one, else the held-out split of
+    ``--data``. ``seqlab eval`` calls this too, so it scores what the trainer scored."""
     if cfg.val_data is not None:
-        val = build_dataset(cfg.objective, cfg.val_data, tokenizer, rows, "all", cfg.seed, **kw)
-    else:
-        val = build_dataset(cfg.objective, cfg.data, tokenizer, rows, "validation", cfg.seed, **kw)
-    return train, val
+        return build_dataset(cfg.objective, cfg.val_data, tokenizer, cfg.seq_len, "all", cfg.seed,
+                             **dataset_options(cfg))
+    return build_dataset(cfg.objective, cfg.data, tokenizer, cfg.seq_len, "validation", cfg.seed,
+                         **dataset_options(cfg))
+
+
+def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[Any, Any]:
+    train = build_dataset(cfg.objective, cfg.data, tokenizer, cfg.seq_len, "train", cfg.seed, **dataset_options(cfg))
+    return train, validation_dataset(cfg, tokenizer)
 
 
 def load_initial_weights(model: torch.nn.Module, path: str | os.PathLike, load_folder: FolderLoader | None = None) -> None:
@@ -93,10 +102,26 @@ def load_initial_weights(model: torch.nn.Module, path: str | os.PathLike, load_f
         sd = load_folder(p)
     else:
         raise FileNotFoundError(f"--init {path}: not a seqlab training checkpoint or run directory")
+    hint = "use the same --preset/--model settings and tokenizer as the run that wrote them"
+    own = model.state_dict()
+    for name, mine in own.items():  # before load_state_dict, whose message lists every mismatch in full
+        if name in sd and tuple(sd[name].shape) != tuple(mine.shape):
+            raise ValueError(f"--init {path}: {name} has shape {tuple(sd[name].shape)} there but "
+                             f"{tuple(mine.shape)} in this model; {hint}")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{path}: weights do not fit the model (missing={missing[:5]}, unexpected={unexpected[:5]}); "
-                         "use the same --preset/--model settings as the run that wrote them")
+        raise ValueError(f"--init {path}: weights do not fit the model (missing={missing[:5]}, "
+                         f"unexpected={unexpected[:5]}); {hint}")
+
+
+def initial_model(cfg: TrainConfig, mc: ModelConfig, load_folder: FolderLoader | None = None) -> torch.nn.Module:
+    """The weights training starts from: the seeded initialisation, or ``--init``'s weights. One place, because
+    DPO's frozen reference is this model and ``seqlab eval`` must rebuild the very same one."""
+    torch.manual_seed(cfg.seed)  # model init independent of how much randomness data building used
+    model = build_model(mc)
+    if cfg.init:
+        load_initial_weights(model, cfg.init, load_folder)
+    return model
 
 
 def build_run(cfg: TrainConfig, resume: bool = False, load_folder: FolderLoader | None = None) -> Run:
@@ -105,8 +130,4 @@ def build_run(cfg: TrainConfig, resume: bool = False, load_folder: FolderLoader 
     objective = build_objective(cfg.objective, tokenizer, **cfg.objective_kwargs)
     train, val = build_datasets(cfg, tokenizer)
     mc: ModelConfig = model_config(cfg.preset, objective.arch, tokenizer, cfg.seq_len, **cfg.model)
-    torch.manual_seed(cfg.seed)  # model init independent of how much randomness data building used
-    model = build_model(mc)
-    if cfg.init:
-        load_initial_weights(model, cfg.init, load_folder)
-    return Run(cfg, tokenizer, objective, model, train, val)
+    return Run(cfg, tokenizer, objective, initial_model(cfg, mc, load_folder), train, val)

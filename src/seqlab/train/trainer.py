@@ -6,8 +6,9 @@
         for each micro-batch:                                                     (grad sync on the last only)
             backward( loss_sum * world_size / N )   # DDP/FSDP average over ranks, hence world_size
         stop if the step loss is not finite (before the update: the weights stay good)
-        clip, optimizer step, lr from the schedule
-        log / eval / checkpoint on their intervals (rank 0 writes)
+        clip; stop if the gradient norm is not finite (likewise; not under fp16, whose scaler skips such steps)
+        optimizer step, lr from the schedule
+        log / eval / checkpoint on their intervals (rank 0 writes; never weights that are not all finite)
 
 The model never learns which objective it serves, and the Trainer never asks the objective's name: what differs
 between objectives comes through the contract in ``objectives.base``. A resumed CPU fp32 run repeats the
@@ -24,23 +25,23 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
 import torch
 from torch import nn
 
 import seqlab.runtime.dist as D
 import seqlab.train.checkpoint as ckpt
-from seqlab.runtime.errors import CheckpointError
 from seqlab.runtime.files import atomic_write_text
 from seqlab.runtime.logbook import Logbook
 from seqlab.runtime.progress import progress
 from seqlab.runtime.rng import capture_rng, restore_rng
 from seqlab.runtime.rundir import claim_run_dir
 from seqlab.runtime.signals import GracefulStop
-from seqlab.train.config import RESUME_MUTABLE, TrainConfig
+from seqlab.train.config import TrainConfig
 from seqlab.train.distributed import set_grad_sync, wrap_model
 from seqlab.train.evaluate import evaluate_on_ranks, to_device
+from seqlab.train.guards import check_resume_steps, check_unchanged, non_finite_parameter
 from seqlab.train.optim import build_optimizer
 from seqlab.train.order import StepSampler
 from seqlab.train.precision import resolve_precision
@@ -55,7 +56,8 @@ _VAL_NAMES = {"loss": "val_loss", "n_targets": "val_targets", "perplexity": "val
 
 
 class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite; the message names the step and the last good checkpoint."""
+    """The loss, the gradient norm or the weights became NaN or infinite; the message names the step and the last
+    good checkpoint."""
 
 
 class StopTraining(Exception):
@@ -155,9 +157,15 @@ class Trainer:
 
     # --- state ------------------------------------------------------------------------------------------------
     def save(self) -> Path | None:
-        """Write a checkpoint of the current step (collective: every rank must call it)."""
+        """Write a checkpoint of the current step (collective: every rank must call it). Weights that are not all
+        finite are refused (``TrainingDiverged``), so the "last good checkpoint" a message names is always good."""
         import torch.distributed.checkpoint.state_dict as sd_api  # heavy (seconds): only save/load need it
 
+        bad = non_finite_parameter(self.raw_model)
+        if D.any_rank(bad is not None, self.dist):
+            raise TrainingDiverged(f"the weights after step {self.step} are not finite ({bad or 'on another rank'} "
+                                   f"holds NaN or inf; lr={self.optimizer.param_groups[0]['lr']:.3g}); "
+                                   f"training stopped without writing their checkpoint, {self._last_good()}")
         opts = sd_api.StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_sd = sd_api.get_model_state_dict(self.raw_model, options=opts)
         optim_sd = sd_api.get_optimizer_state_dict(self.raw_model, self.optimizer, options=opts)
@@ -186,16 +194,16 @@ class Trainer:
         import torch.distributed.checkpoint.state_dict as sd_api  # heavy (seconds): only save/load need it
 
         state, model_sd, optim_sd = ckpt.load_checkpoint(path)
-        old, new = state.get("train_config", {}), self.cfg.to_dict()
-        diffs = sorted(k for k in new if k not in RESUME_MUTABLE and k in old and old[k] != new[k])
-        if diffs:
-            detail = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in diffs)
-            raise CheckpointError(f"{path}: cannot resume, the run configuration changed ({detail})")
+        old = state.get("train_config", {})
+        check_unchanged(path, old, self.cfg.to_dict())
+        tr = state["trainer"]
+        warning = check_resume_steps(path, old, self.cfg, int(tr["step"]), float(tr["train_seconds"]))
+        if warning and self.dist.is_main:
+            print(f"[seqlab] warning: {warning}", file=sys.stderr)
         opts = sd_api.StateDictOptions(full_state_dict=True, strict=True)
         sd_api.set_model_state_dict(self.raw_model, model_sd, options=opts)
         if optim_sd is not None:
             sd_api.set_optimizer_state_dict(self.raw_model, self.optimizer, optim_sd, options=opts)
-        tr = state["trainer"]
         self.step, self.tokens_seen, self.train_seconds = int(tr["step"]), int(tr["tokens_seen"]), float(tr["train_seconds"])
         self.sampler.load_state_dict(tr["sampler"])
         rng = state.get("rng") or []
@@ -249,10 +257,7 @@ class Trainer:
         D.all_reduce_sum(loss_sum, self.dist)
         step_loss = float(loss_sum) / n_targets
         if not math.isfinite(step_loss):
-            self.optimizer.zero_grad(set_to_none=True)
-            where = f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else "no checkpoint was written yet"
-            raise TrainingDiverged(f"loss is {step_loss} at step {self.step + 1} (lr={lr:.3g}); training stopped before "
-                                   f"the update, {where}")
+            self._diverged(f"loss is {step_loss}", lr)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.raw_model.parameters() if p.grad is not None]
@@ -260,6 +265,8 @@ class Trainer:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
+        if self.scaler is None and not math.isfinite(float(grad_norm)):  # fp16: the scaler skips the step itself
+            self._diverged(f"gradient norm is {float(grad_norm)}", lr, f"; the loss, {step_loss:.4g}, is finite")
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -273,6 +280,17 @@ class Trainer:
         if metric_sums and not self.dist.active:
             record.update({k: v / max(n_targets, 1) for k, v in metric_sums.items()})
         return record
+
+    def _last_good(self) -> str:
+        """Where a stopped run can be resumed from, for the message of ``TrainingDiverged``."""
+        return f"the last good checkpoint is {self.last_checkpoint}" if self.last_checkpoint else \
+            "no checkpoint was written yet"
+
+    def _diverged(self, what: str, lr: float, note: str = "") -> NoReturn:
+        """Stop before the update: drop the gradients and raise, naming the step and the last good checkpoint."""
+        self.optimizer.zero_grad(set_to_none=True)
+        raise TrainingDiverged(f"{what} at step {self.step + 1} (lr={lr:.3g}{note}); training stopped before the "
+                               f"update, {self._last_good()}")
 
     # --- evaluation -------------------------------------------------------------------------------------------
     def evaluate(self, data=None, max_batches: int | None = None) -> dict[str, float]:

@@ -1,0 +1,63 @@
+"""Checks that keep a run from writing something wrong: non-finite weights, and a resume that changes the run.
+
+Why a module of its own: each check is a few lines, but each guards a promise the Trainer makes in its messages
+("the last good checkpoint is ...", "resumed exactly"), so they are kept together, small and tested one by one.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from seqlab.runtime.errors import CheckpointError
+from seqlab.train.config import RESUME_MUTABLE, TrainConfig
+from seqlab.train.schedule import LRSchedule
+
+
+def non_finite_parameter(model: nn.Module) -> str | None:
+    """The name of the first parameter holding a NaN or an infinity, None when all are finite.
+
+    Under FSDP each rank sees its own shard (``to_local``): the caller agrees over ranks. One device sync for the
+    whole model (the per-tensor flags are stacked), so it is cheap enough to run at every checkpoint.
+    """
+    named = [(name, p.to_local() if hasattr(p, "to_local") else p) for name, p in model.named_parameters()]
+    named = [(name, t) for name, t in named if t.numel() > 0]
+    if not named:
+        return None
+    with torch.no_grad():
+        finite = torch.stack([torch.isfinite(t).all() for _, t in named])
+        if bool(finite.all()):
+            return None
+        return named[int((~finite).nonzero()[0])][0]
+
+
+def check_unchanged(path: str | os.PathLike, old: dict[str, Any], new: dict[str, Any]) -> None:
+    """Refuse a resume whose configuration differs from the checkpoint's in a field outside ``RESUME_MUTABLE``,
+    naming every such field with its old and new value."""
+    diffs = sorted(k for k in new if k not in RESUME_MUTABLE and k in old and old[k] != new[k])
+    if diffs:
+        detail = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in diffs)
+        raise CheckpointError(f"{path}: cannot resume, the run configuration changed ({detail})")
+
+
+def check_resume_steps(path: str | os.PathLike, old: dict[str, Any], cfg: TrainConfig, step: int,
+                       train_seconds: float) -> str | None:
+    """Refuse a ``max_steps`` that leaves nothing to train; for a changed one, the warning to print (else None).
+
+    Why: a resume at or past ``max_steps`` would train nothing yet rewrite ``config.json`` with the new number;
+    and the schedule is a function of ``step / max_steps``, so a new ``max_steps`` moves the learning rate of the
+    very next update (a jump the loss curve shows without saying why). The warning gives both values.
+    """
+    if cfg.max_steps <= step:
+        raise CheckpointError(f"{path}: --max-steps {cfg.max_steps} is not above the checkpoint's step {step}, so "
+                              f"there is nothing to train; give --max-steps above {step} to continue the run")
+    old_max = old.get("max_steps")
+    if old_max is None or old_max == cfg.max_steps or (cfg.schedule == "constant" and cfg.warmup_frac is None):
+        return None  # a constant schedule with step warmup does not depend on max_steps
+    before = LRSchedule(cfg.replace(max_steps=old_max))(step, train_seconds)
+    after = LRSchedule(cfg)(step, train_seconds)
+    return (f"--max-steps {cfg.max_steps} (the run had {old_max}) re-stretches the learning-rate schedule: the LR at "
+            f"the resumed step {step} changes from {before:.4g} to {after:.4g}")

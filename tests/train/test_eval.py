@@ -1,0 +1,72 @@
+"""`seqlab eval` scores a checkpoint as the trainer scored it: the same validation set (the run's --val-data),
+the same DPO reference (the run's initial model, --init included) and, with --precision auto, the same precision."""
+
+import json
+import math
+
+import pytest
+
+from seqlab.cli import main
+from tests.train.conftest import TEXT
+from tests.train.test_cli import TINY
+
+
+def _last_val(run):
+    """The last metrics.jsonl record that holds an evaluation."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "val_loss" in r][-1]
+
+
+def _eval(run, out, *extra):
+    assert main(["eval", str(run), "--json", str(out), "--no-progress", *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_dpo_eval_measures_against_the_runs_reference(tmp_path):
+    """Before, eval used the trained policy as its own reference, and every DPO loss read ln 2."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    dpo = ["train", "--objective", "dpo", *TINY, "--seq-len", "256", "--precision", "fp32", "--lr", "1e-2"]
+    assert main([*dpo, "--out", str(first), "--max-steps", "3"]) == 0
+    # a second run starting from the first: its reference is the first run's weights, not a seeded init
+    assert main([*dpo, "--out", str(second), "--max-steps", "2", "--init", str(first)]) == 0
+    for run in (first, second):
+        res = _eval(run, tmp_path / f"{run.name}.json", "--max-batches", "2", "--batch-size", "4",
+                    "--precision", "fp32")
+        logged = _last_val(run)
+        assert res["n_targets"] == logged["val_targets"]
+        assert res["loss"] == pytest.approx(logged["val_loss"], rel=1e-6)
+        assert abs(res["loss"] - math.log(2)) > 1e-4  # the policy moved away from its reference
+
+
+def test_eval_scores_the_runs_val_data(tmp_path):
+    data, val = tmp_path / "train.txt", tmp_path / "val.txt"
+    data.write_text(TEXT * 3)
+    val.write_text(TEXT[:300])  # a different size from the held-out 5 % of data.txt
+    run = tmp_path / "run"
+    assert main(["train", "--objective", "clm", "--data", str(data), "--val-data", str(val), "--tokenizer", "byte",
+                 "--out", str(run), "--max-steps", "2", *TINY, "--precision", "fp32"]) == 0
+    res, logged = _eval(run, tmp_path / "e.json", "--max-batches", "2", "--batch-size", "4"), _last_val(run)
+    assert res["data"] == str(val)
+    assert (res["n_targets"], res["n_bytes"]) == (logged["val_targets"], logged["val_bytes"])
+    assert res["bits_per_byte"] == pytest.approx(logged["val_bpb"], rel=1e-6)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])  # one of the two differs from what auto picks on a CPU
+def test_eval_precision_auto_evaluates_as_the_run_did(tmp_path, precision):
+    run = tmp_path / "run"
+    assert main(["train", "--objective", "clm", "--tokenizer", "byte", "--out", str(run), "--max-steps", "2",
+                 *TINY, "--precision", precision]) == 0
+    res, logged = _eval(run, tmp_path / "e.json", "--precision", "auto", "--max-batches", "2", "--batch-size", "4"), \
+        _last_val(run)
+    # Same weights, batches and precision: the same arithmetic (bit-identical when measured). The other precision
+    # moves this tiny model's bits per byte by ~5e-6 relative, 5000x the tolerance.
+    assert res["bits_per_byte"] == pytest.approx(logged["val_bpb"], rel=1e-9)
+    assert res["precision"] == precision
+
+
+@pytest.mark.parametrize("flag,value", [("--max-batches", "0"), ("--max-batches", "-1"), ("--batch-size", "0")])
+def test_eval_refuses_fewer_than_one_batch(tmp_path, capsys, flag, value):
+    """--max-batches 0 used to print loss 0.0000 and perplexity 1.0000 as if they had been measured."""
+    assert main(["eval", str(tmp_path), flag, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"seqlab eval: error: {flag} must be at least 1, got {value}"]

@@ -1,0 +1,49 @@
+"""`seqlab train` refuses bad input with one line naming the flag, field or file, before it writes a run."""
+
+import pytest
+
+from seqlab.cli import main
+from seqlab.train.rundir import existing_run
+from tests.train.test_cli import TINY
+
+ONE_PAIR = '{"source": "a", "target": "b"}\n'
+
+CASES = [  # (id, extra args ("{tmp}" is the test's folder), what the one stderr line must contain)
+    ("lr-inf", ["--lr", "inf"], "TrainConfig.lr: must be a positive finite number, got inf"),
+    ("lr-nan", ["--lr", "nan"], "TrainConfig.lr: must be a positive finite number, got nan"),
+    ("weight-decay-nan", ["--weight-decay", "nan"], "TrainConfig.weight_decay: must be a finite number, got nan"),
+    ("threads-0", ["--threads", "0"], "(--threads) must be a positive integer, got 0"),
+    ("threads-negative", ["--threads", "-2"], "(--threads) must be a positive integer, got -2"),
+    ("dpo-beta-text", ["--objective", "dpo", "--objective-arg", "beta=abc"], "(--objective-arg) objective 'dpo': "
+                                                                             "option beta='abc' must be a number"),
+    ("dpo-reference", ["--objective", "dpo", "--objective-arg", "reference=1"], "option reference=1 must be"),
+    ("dpo-max-len-text", ["--objective", "dpo", "--objective-arg", "max_len=abc"], "max_len='abc' must be an integer"),
+    ("mlm-mask-prob-text", ["--objective", "mlm", "--objective-arg", "mask_prob=abc"], "mask_prob='abc' must be a"),
+    ("clm-padding-side", ["--objective-arg", "padding_side=middle"], "padding_side='middle' must be one of"),
+    ("tokenizer-missing", ["--tokenizer", "{tmp}/missing.json"], "missing.json: no such file"),
+    ("one-example-file", ["--objective", "seq2seq", "--data", "{tmp}/one.jsonl"],
+     "one.jsonl: 1 example(s); a file split into train and validation needs at least 2"),
+]
+
+
+@pytest.mark.parametrize("args,expect", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_train_input_is_one_line_and_writes_no_run(tmp_path, capsys, args, expect):
+    (tmp_path / "one.jsonl").write_text(ONE_PAIR)
+    out = tmp_path / "run"
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    assert main(["train", "--tokenizer", "byte", *TINY, "--max-steps", "1", "--out", str(out), *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("seqlab train: error: ") and expect in err[0], err
+    assert existing_run(out) is None  # nothing written: the corrected command is not refused as "holds a run"
+
+
+def test_init_with_other_shapes_names_the_first_tensor(tmp_path, capsys):
+    src = tmp_path / "src"
+    assert main(["train", "--tokenizer", "byte", *TINY, "--max-steps", "1", "--out", str(src)]) == 0
+    capsys.readouterr()
+    assert main(["train", "--tokenizer", "byte", *TINY, "--max-steps", "1", "--out", str(tmp_path / "big"),
+                 "--init", str(src), "--model", "d_model=64"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and len(err[0]) < 400, err  # not torch's list of every mismatching tensor
+    assert f"--init {src}: stack.embed.tok.weight has shape (" in err[0]
+    assert "in this model; use the same --preset/--model settings and tokenizer" in err[0]
