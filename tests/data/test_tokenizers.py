@@ -57,7 +57,7 @@ def test_build_tokenizer_specs_and_save_load(tmp_path, small_corpus):
     assert again.encode(TEXT) == bpe.encode(TEXT) and again.mask_id == bpe.mask_id
     ByteTokenizer().save(tmp_path / "byte.json")
     assert isinstance(build_tokenizer(str(tmp_path / "byte.json")), ByteTokenizer)
-    with pytest.raises(ValueError, match="expected 'byte', 'bpe'"):
+    with pytest.raises(ValueError, match=r"no such file \(expected byte, bpe"):
         build_tokenizer("wordpiece")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ValueError, match="bad.json: not a valid tokenizer.json"):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from gen_helpers import assert_same_tokens_up_to_ties, decoder_oracle, tiny_decoder
+from gen_helpers import assert_same_tokens_up_to_ties, decoder_oracle, tiny_decoder, tiny_encdec
 
 from seqlab.cli import main
 from seqlab.data.tokenizers import ByteTokenizer
@@ -124,3 +124,21 @@ def test_an_empty_prompt_says_so(ckpt, capsys):
     d, _, _ = ckpt
     assert main(["generate", "--checkpoint", str(d), "--prompt", "", "--no-bos"]) == 2
     assert "a prompt needs at least one token" in capsys.readouterr().err
+
+
+def test_an_encoder_decoder_prints_its_output_for_the_source_it_was_trained_on(tmp_path, capsys):
+    """Its source is read as training read sources (the text, then EOS), and its output is the decoder's tokens
+    after the start token: printed alone, an answer rather than a continuation of the prompt."""
+    tok = ByteTokenizer()
+    model = tiny_encdec(seed=5, vocab_size=tok.vocab_size, pad_token_id=tok.pad_id, bos_token_id=tok.bos_id,
+                        eos_token_id=tok.eos_id, decoder_start_token_id=tok.bos_id)
+    save_pretrained(model, tmp_path / "s2s")
+    tok.save(tmp_path / "s2s" / "tokenizer.json")
+    assert main(["generate", "--checkpoint", str(tmp_path / "s2s"), "--prompt", "May 4", "--max-new-tokens", "6",
+                 "--no-pack", "--json", str(tmp_path / "o.json")]) == 0
+    ref = generate(model, torch.tensor([tok.encode("May 4") + [tok.eos_id]]), max_new_tokens=6,
+                   eos_token_id=tok.eos_id)
+    doc = json.loads((tmp_path / "o.json").read_text())
+    assert doc["sequences"] == ref.tolist()
+    text = tok.decode(ref[0, 1:].tolist())
+    assert doc["outputs"] == [text.strip()] and capsys.readouterr().out == text.strip() + "\n"

@@ -5,6 +5,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from seqlab.cli import main
 from tests.train.conftest import TEXT
@@ -70,3 +71,11 @@ def test_eval_refuses_fewer_than_one_batch(tmp_path, capsys, flag, value):
     assert main(["eval", str(tmp_path), flag, value]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"seqlab eval: error: {flag} must be at least 1, got {value}"]
+
+
+def test_auto_scores_an_fp16_gpu_run_in_fp32_on_a_cpu():
+    from seqlab.train.evaluate import _eval_precision
+
+    cpu = torch.device("cpu")
+    assert _eval_precision("auto", "fp16", cpu).name == "fp32"  # not "fp16 needs a GPU"
+    assert _eval_precision("auto", "fp32", cpu).name == "fp32" and _eval_precision("fp32", "bf16", cpu).name == "fp32"

@@ -5,8 +5,10 @@ import json
 import pytest
 import torch
 
+from seqlab.objectives import DPO, CausalLM
 from seqlab.train import StopTraining, TrainingDiverged
 from seqlab.train import checkpoint as ckpt
+from seqlab.train.guards import check_unchanged
 from tests.train.conftest import make_trainer
 
 
@@ -98,13 +100,19 @@ def test_save_refuses_poisoned_weights_and_names_the_last_good_checkpoint(tmp_pa
     assert [s for s, _ in ckpt.list_checkpoints(tmp_path / "run" / "checkpoints")] == [2]
 
 
-@pytest.mark.parametrize("max_steps", [2, 4])
-def test_resume_refuses_max_steps_at_or_below_the_checkpoint(tmp_path, max_steps):
+@pytest.mark.parametrize("max_steps", [2, 3])
+def test_resume_refuses_max_steps_below_the_checkpoint(tmp_path, max_steps):
     make_trainer(tmp_path, steps=4).fit()
     config = (tmp_path / "run" / "config.json").read_bytes()
-    with pytest.raises(ckpt.CheckpointError, match=f"--max-steps {max_steps} is not above the checkpoint's step 4"):
+    with pytest.raises(ckpt.CheckpointError, match=f"--max-steps {max_steps} is below the checkpoint's step 4"):
         make_trainer(tmp_path, steps=max_steps, resume=True)
     assert (tmp_path / "run" / "config.json").read_bytes() == config  # not rewritten with the refused max_steps
+
+
+def test_a_finished_run_resumed_finishes_again(tmp_path):
+    """A retry or a restart of a run that already reached --max-steps trains nothing and ends as it was."""
+    make_trainer(tmp_path, steps=4).fit()
+    assert make_trainer(tmp_path, steps=4, resume=True).fit().step == 4
 
 
 def test_resume_with_more_steps_warns_how_the_lr_moves(tmp_path, capsys):
@@ -121,9 +129,14 @@ def test_resume_with_more_steps_warns_how_the_lr_moves(tmp_path, capsys):
     assert t.fit().step == 10  # still allowed
 
 
-def test_resume_refuses_a_changed_init(tmp_path):
-    """``--init`` is DPO's reference: changing it on resume would silently change the loss being optimised."""
+def test_a_changed_init_is_refused_only_where_it_is_the_reference(tmp_path):
+    """After a resume the weights come from the checkpoint, so clm may drop or move its ``--init``; DPO rebuilds
+    its frozen reference from ``--init``, so there a change would silently change the loss being optimised."""
     make_trainer(tmp_path, out="sft", steps=1).fit()
     make_trainer(tmp_path, steps=2, init=str(tmp_path / "sft")).fit()
-    with pytest.raises(ckpt.CheckpointError, match=r"init: '.*sft' -> None"):
-        make_trainer(tmp_path, steps=4, resume=True)
+    assert make_trainer(tmp_path, steps=4, resume=True).fit().step == 4  # clm: allowed
+    old, new = {"init": "runs/sft", "lr": 1e-3}, {"init": "runs/other", "lr": 1e-3}
+    check_unchanged("ckpt", old, new)
+    with pytest.raises(ckpt.CheckpointError, match=r"init: 'runs/sft' -> 'runs/other'"):
+        check_unchanged("ckpt", old, new, frozen=frozenset({"init"}))
+    assert DPO.uses_initial_model and not CausalLM.uses_initial_model

@@ -59,12 +59,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+_PACKAGE = Path(seqlab.__file__).resolve().parent
+
+
 def _one_line_warning(command: str):
     """seqlab's own warnings as the errors are shown: one line naming the command, not Python's source excerpt."""
     default = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
-        if "seqlab" not in Path(filename).parts:  # another library's warning keeps its usual form
+        if _PACKAGE not in Path(filename).resolve().parents:  # another library's warning keeps its usual form
             default(message, category, filename, lineno, file, line)
             return
         print(f"seqlab {command}: warning: {' '.join(str(message).split())}", file=file or sys.stderr)

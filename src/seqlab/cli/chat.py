@@ -53,6 +53,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_chat)
 
 
+class MessageTooLong(ValueError):
+    """One message does not fit the context window even alone: the interactive session refuses it and goes on."""
+
+
 class ChatSession:
     """A conversation with a model: the message list, and a ``reply`` that generates the assistant's next turn."""
 
@@ -90,18 +94,18 @@ class ChatSession:
                 break
             del messages[keep_from : keep_from + 2]  # forget the oldest user/assistant exchange
         if len(ids) > budget:  # the new message alone is too long: the conversation so far is kept as it was
-            raise ValueError(f"the message is {len(ids)} tokens; the model's context allows {budget} "
+            raise MessageTooLong(f"the message is {len(ids)} tokens; the model's context allows {budget} "
                              f"with --max-new-tokens {self.gen['max_new_tokens']}")
         self.messages = messages
         return ids
 
     def reply(self, user_text: str, on_text=None) -> str:
         """Add the user's message, generate the assistant's reply (streamed to ``on_text``), remember and return it.
-        A message that cannot fit the context is refused (ValueError) and leaves the conversation as it was."""
+        A message that cannot fit the context is refused (``MessageTooLong``) and leaves the conversation as it was."""
         self.messages.append({"role": "user", "content": user_text})
         try:
             prompt = self._prompt_ids()
-        except ValueError:
+        except MessageTooLong:
             self.messages.pop()
             raise
         ids = torch.tensor([prompt], dtype=torch.long, device=next(self.model.parameters()).device)
@@ -204,7 +208,7 @@ def _interactive(session: ChatSession, path: Path) -> int:
 
         try:
             session.reply(text, on_text=show)
-        except ValueError as e:  # one message too long for the context: say so, keep the session going
+        except MessageTooLong as e:  # one message too long for the context: say so, keep the session going
             sys.stdout.write("\n")
             print(f"error: {e} (not sent; the conversation so far is kept)", file=err)
             continue

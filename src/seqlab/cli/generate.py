@@ -2,7 +2,7 @@
 
 Output convention, shared with ``seqlab chat``: a plain completion prints the prompt followed by its continuation
 (the text reads on); with ``--chat`` the prompt is a rendered conversation, so only the reply is printed, as
-``seqlab chat`` does.
+``seqlab chat`` does. An encoder-decoder's output answers its source rather than continuing it: printed alone too.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from seqlab.accel import accelerate
 from seqlab.cli.model_args import add_model_source, check_writable, load_model, prompt_ids
 from seqlab.generate import GenerationConfig, generate_output, stream
 from seqlab.generate.chat import turn_end_ids
+from seqlab.generate.engine import is_encoder_decoder
 from seqlab.io import load_pretrained
 from seqlab.runtime import atomic_write_text
 
@@ -158,25 +159,28 @@ def run(args: argparse.Namespace) -> int:
             if m is not None:
                 accelerate(m, "decode", rows=len(prompts) * cfg.num_beams,
                            dtype="auto" if args.dtype == "auto" else None)
+    # an encoder-decoder's output is the decoder's ids after its start token, an answer to the source, not a
+    # continuation of it: it is printed alone, like a chat reply
+    encdec = is_encoder_decoder(model)
+    first_new, alone = (1, True) if encdec else (ids.shape[1], args.chat)
     if args.stream:
         s = stream(model, ids, mask, cfg, draft_model=draft, tokenizer=tok)
-        if not args.chat:
+        if not alone:
             sys.stdout.write(prompts[0])  # a completion reads on from its prompt, as without --stream
         for chunk in s:
             sys.stdout.write(chunk.texts[0])
             sys.stdout.flush()
         sys.stdout.write("\n")
         out = s.output
-        texts = [tok.decode(out.sequences[0, ids.shape[1]:].tolist())]
-        texts = [t.strip() for t in texts] if args.chat else texts
+        texts = [tok.decode(out.sequences[0, first_new:].tolist())]
+        texts = [t.strip() for t in texts] if alone else texts
     else:
         out = generate_output(model, ids, mask, cfg, draft_model=draft, tokenizer=tok)
         texts = []
         for i, p in enumerate(prompts):
-            new = [t for t in out.sequences[i, ids.shape[1]:].tolist()]
-            text = tok.decode(new)
-            shown = text.strip() if args.chat else f"{p}{text}"  # a chat reply alone; a completion after its prompt
-            texts.append(text.strip() if args.chat else text)
+            text = tok.decode(out.sequences[i, first_new:].tolist())
+            shown = text.strip() if alone else f"{p}{text}"  # a reply alone; a completion after its prompt
+            texts.append(text.strip() if alone else text)
             print(shown if len(prompts) == 1 else f"[{i}] {shown}")
     m = out.metrics
     if args.metrics:

@@ -28,10 +28,11 @@ def run(args: argparse.Namespace) -> int:
         else load_pretrained(args.path)
     cfg = model.config
     print(cfg.to_json())
-    if cfg.arch != "decoder":  # encoders have no decode loop, hence no cache and no decode routes
+    if cfg.arch == "encoder":  # no decode loop, hence no cache and no decode routes
         print(f"parameters: {parameter_count(model):,}   ({cfg.arch}: no KV cache, no decode routes)")
         return 0
-    per_token = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4
+    cached_layers = cfg.n_decoder_layers if cfg.arch == "encoder_decoder" else cfg.n_layers  # self-attention's K/V
+    per_token = 2 * cached_layers * cfg.n_kv_heads * cfg.head_dim * 4
     print(f"parameters: {parameter_count(model):,}   kv-cache: {per_token:,} bytes/token (fp32)")
     # what `seqlab generate`/`chat` would run here by default: routes, fused decode step, bf16 prefill, with timings
     print(accelerate(model, "decode", rows=1, dtype="auto").accel_plan.summary())

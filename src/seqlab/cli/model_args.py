@@ -103,13 +103,22 @@ def source_kind(model: nn.Module) -> str:
     return kind if kind in ("hf", "gguf") else "seqlab"
 
 
+def trained_special_rule(arch: str) -> tuple[bool, bool]:
+    """(BOS first, EOS last) around the input text a model trained by seqlab read: a decoder's documents begin with
+    BOS, an encoder's rows are [BOS] ... [EOS] (BERT's CLS and SEP), an encoder-decoder's sources end with EOS."""
+    return {"decoder": (True, False), "encoder": (True, True), "encoder_decoder": (False, True)}[arch]
+
+
 def prompt_ids(loaded: LoadedModel, text: str, bos: bool = True) -> list[int]:
-    """A plain prompt as ids: seqlab checkpoints get BOS (their documents started with it in training); HF and GGUF
-    models follow their tokenizer's own rule (``add_bos_token``). ``bos=False`` adds nothing."""
+    """A plain prompt as ids: seqlab checkpoints get the special tokens their training inputs had
+    (``trained_special_rule``: BOS for a decoder); HF and GGUF models follow their tokenizer's own rule
+    (``add_bos_token``). ``bos=False`` adds nothing."""
     tok = loaded.tokenizer
-    if loaded.kind == "seqlab":
-        return ([tok.bos_id] if bos and tok.bos_id is not None else []) + tok.encode(text)
-    return tok.encode(text, add_special_tokens=bos)
+    if loaded.kind != "seqlab":
+        return tok.encode(text, add_special_tokens=bos)
+    add_bos, add_eos = trained_special_rule(loaded.model.config.arch) if bos else (False, False)
+    return ([tok.bos_id] if add_bos and tok.bos_id is not None else []) + tok.encode(text) + \
+        ([tok.eos_id] if add_eos and tok.eos_id is not None else [])
 
 
 def apply_quant(model: nn.Module, quant: str | None, source: str) -> nn.Module:

@@ -37,7 +37,8 @@ def build_tokenizer(spec: str = "byte", *, train_texts: Sequence[str] | None = N
         return train_bpe(train_texts, int(m.group(1) or 4096), cache_dir=cache_dir)
     if Path(spec).exists():
         return load_tokenizer(spec)
-    raise ValueError(f"tokenizer {spec!r}: expected 'byte', 'bpe', 'bpe:<vocab_size>' or a path to tokenizer.json")
+    raise ValueError(f"--tokenizer {spec}: no such file (expected byte, bpe, bpe:<vocab_size> or the path of a "
+                     "tokenizer.json)")
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:

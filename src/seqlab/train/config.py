@@ -168,11 +168,12 @@ class TrainConfig:
         return dataclasses.replace(self, **changes)
 
 
-# Fields that may change between a checkpoint and its resumption without breaking exactness. ``init`` may not:
-# the resumed weights come from the checkpoint, but DPO's frozen reference is rebuilt from ``init``.
-# ``max_steps`` may, but it re-stretches the schedule (the Trainer warns) and must stay above the resumed step.
+# Fields that may change between a checkpoint and its resumption without breaking exactness. ``init`` may, since
+# the resumed weights come from the checkpoint, except where the objective rebuilds a reference from it (DPO: the
+# Trainer freezes it). ``max_steps`` may, but it re-stretches the schedule (the Trainer warns) and may not fall
+# below the resumed step.
 RESUME_MUTABLE = frozenset({
-    "out_dir", "val_data", "eval_interval_s", "max_steps", "max_time_s", "eval_interval", "eval_batches", "eval_batch_size", "log_interval",
+    "out_dir", "init", "val_data", "eval_interval_s", "max_steps", "max_time_s", "eval_interval", "eval_batches", "eval_batch_size", "log_interval",
     "ckpt_interval", "keep_last", "progress", "plot", "compile", "activation_checkpointing", "num_threads",
     "device",
 })

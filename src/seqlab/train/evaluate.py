@@ -99,6 +99,14 @@ def _setup_objective(objective: Any, model: torch.nn.Module, cfg: TrainConfig, l
     objective.setup(initial.to(device).eval())
 
 
+def _eval_precision(asked: str, run: str, device: torch.device) -> Precision:
+    """``auto`` means the run's own precision, where this device has it: an fp16 GPU run scored on a CPU is
+    scored in fp32 (CPUs have no fp16 autocast here), not refused."""
+    if asked != "auto":
+        return resolve_precision(asked, device)
+    return resolve_precision("fp32" if run == "fp16" and device.type == "cpu" else run, device)
+
+
 @torch.no_grad()
 def evaluate_checkpoint(path: str | Path, data: str | None = None, split: str = "validation",
                         batch_size: int | None = None, max_batches: int | None = None, device: str = "cpu",
@@ -114,7 +122,7 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, split: str = 
     bs = batch_size or cfg.eval_batch_size or cfg.batch_size
     starts = range(0, len(ds), bs)
     batches = (objective.collate([ds[j] for j in range(i, min(i + bs, len(ds)))]) for i in starts)
-    run_precision = resolve_precision(cfg.precision if precision == "auto" else precision, dev)
+    run_precision = _eval_precision(precision, cfg.precision, dev)
     with run_precision.autocast(), objective.evaluating():
         res = evaluate(model, objective, batches, device=dev, max_batches=max_batches, total=len(starts),
                        show_progress=show_progress)

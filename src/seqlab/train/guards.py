@@ -34,10 +34,13 @@ def non_finite_parameter(model: nn.Module) -> str | None:
         return named[int((~finite).nonzero()[0])][0]
 
 
-def check_unchanged(path: str | os.PathLike, old: dict[str, Any], new: dict[str, Any]) -> None:
-    """Refuse a resume whose configuration differs from the checkpoint's in a field outside ``RESUME_MUTABLE``,
-    naming every such field with its old and new value."""
-    diffs = sorted(k for k in new if k not in RESUME_MUTABLE and k in old and old[k] != new[k])
+def check_unchanged(path: str | os.PathLike, old: dict[str, Any], new: dict[str, Any],
+                    frozen: frozenset[str] = frozenset()) -> None:
+    """Refuse a resume whose configuration differs from the checkpoint's in a field outside ``RESUME_MUTABLE``, or
+    in one of ``frozen`` (fields this run depends on although others may change them: DPO's ``init``, its
+    reference), naming every such field with its old and new value."""
+    mutable = RESUME_MUTABLE - frozen
+    diffs = sorted(k for k in new if k not in mutable and k in old and old[k] != new[k])
     if diffs:
         detail = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in diffs)
         raise CheckpointError(f"{path}: cannot resume, the run configuration changed ({detail})")
@@ -45,19 +48,21 @@ def check_unchanged(path: str | os.PathLike, old: dict[str, Any], new: dict[str,
 
 def check_resume_steps(path: str | os.PathLike, old: dict[str, Any], cfg: TrainConfig, step: int,
                        train_seconds: float) -> str | None:
-    """Refuse a ``max_steps`` that leaves nothing to train; for a changed one, the warning to print (else None).
+    """Refuse a ``max_steps`` below the checkpoint's step; for a changed one, the warning to print (else None).
 
-    Why: a resume at or past ``max_steps`` would train nothing yet rewrite ``config.json`` with the new number;
+    Why: a resume past ``max_steps`` would train nothing yet rewrite ``config.json`` with the smaller number;
     and the schedule is a function of ``step / max_steps``, so a new ``max_steps`` moves the learning rate of the
     very next update (a jump the loss curve shows without saying why). The warning gives both values.
     """
-    if cfg.max_steps <= step:
-        raise CheckpointError(f"{path}: --max-steps {cfg.max_steps} is not above the checkpoint's step {step}, so "
-                              f"there is nothing to train; give --max-steps above {step} to continue the run")
+    if cfg.max_steps < step:  # equal: a finished run resumed (a retry, a restart) finishes again, training nothing
+        raise CheckpointError(f"{path}: --max-steps {cfg.max_steps} is below the checkpoint's step {step}; give "
+                              f"--max-steps above {step} to continue the run")
     old_max = old.get("max_steps")
-    if old_max is None or old_max == cfg.max_steps or (cfg.schedule == "constant" and cfg.warmup_frac is None):
-        return None  # a constant schedule with step warmup does not depend on max_steps
+    if old_max is None or old_max == cfg.max_steps or cfg.max_steps == step:
+        return None
     before = LRSchedule(cfg.replace(max_steps=old_max))(step, train_seconds)
     after = LRSchedule(cfg)(step, train_seconds)
+    if before == after:  # a constant schedule, or one bound by --max-time: nothing moves
+        return None
     return (f"--max-steps {cfg.max_steps} (the run had {old_max}) re-stretches the learning-rate schedule: the LR at "
             f"the resumed step {step} changes from {before:.4g} to {after:.4g}")

@@ -6,7 +6,6 @@ benchmarks all build runs the same way.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -59,9 +58,6 @@ def build_tokenizer_for(cfg: TrainConfig, cache_dir: str | Path | None = None, r
             raise ValueError(f"{saved}: built for --tokenizer {recorded}, but this run asks for --tokenizer {spec}; "
                              "a resumed run must keep its tokenizer")
         return load_tokenizer(saved)
-    if spec != "byte" and not re.fullmatch(r"bpe(:\d+)?", spec) and not Path(spec).exists():
-        raise ValueError(f"--tokenizer {spec}: no such file (expected byte, bpe, bpe:<vocab_size> or the path of a "
-                         "tokenizer.json)")
     train_texts = None
     if spec.startswith("bpe") and cfg.data is not None and objective_class(cfg.objective).natural_text:
         train_texts = read_documents(cfg.data)

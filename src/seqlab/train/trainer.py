@@ -195,7 +195,8 @@ class Trainer:
 
         state, model_sd, optim_sd = ckpt.load_checkpoint(path)
         old = state.get("train_config", {})
-        check_unchanged(path, old, self.cfg.to_dict())
+        check_unchanged(path, old, self.cfg.to_dict(),
+                        frozenset({"init"}) if self.objective.uses_initial_model else frozenset())
         tr = state["trainer"]
         warning = check_resume_steps(path, old, self.cfg, int(tr["step"]), float(tr["train_seconds"]))
         if warning and self.dist.is_main:
