@@ -41,6 +41,14 @@ def test_a_new_run_never_mixes_with_an_old_one(tmp_path, capsys):
     assert [r["step"] for r in Logbook(run / "metrics.jsonl", resume_step=10**9).rows()] == [1, 2]
 
 
+def test_resume_into_an_empty_folder_says_it_starts_a_new_run(tmp_path, capsys):
+    """A retry loop's first launch passes --resume too, so it starts the run; a mistyped --out is then visible."""
+    assert main(["train", *TINY, "--max-steps", "1", "--out", str(tmp_path / "typo"), "--resume"]) == 0
+    assert f"--resume: {tmp_path / 'typo'} holds no run yet; starting a new one there" in capsys.readouterr().err
+    assert main(["train", *TINY, "--max-steps", "2", "--out", str(tmp_path / "typo"), "--resume"]) == 0
+    assert "holds no run yet" not in capsys.readouterr().err
+
+
 def test_resume_refuses_a_tokenizer_that_disagrees_with_the_config(tmp_path, capsys):
     run = tmp_path / "R"
     assert main(["train", *TINY, "--max-steps", "1", "--out", str(run)]) == 0

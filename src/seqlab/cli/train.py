@@ -171,6 +171,8 @@ def run_train(args: argparse.Namespace) -> int:
         raise ValueError("--resume and --overwrite contradict each other: continue the run in --out, or replace it")
     main_rank = int(os.environ.get("RANK", "0")) == 0
     if args.resume:
+        if main_rank and existing_run(args.out) is None:  # a retry loop's first launch, or a mistyped --out: say which
+            print(f"[seqlab] --resume: {args.out} holds no run yet; starting a new one there", file=sys.stderr)
         ensure_writable_dir(args.out, "--out")
     elif main_rank:
         moved = claim_run_dir(args.out, existing_run(args.out), overwrite=args.overwrite)

@@ -86,9 +86,23 @@ def _stop(body: dict) -> list[str]:
     return value
 
 
+# OpenAI fields this server does not implement, with the values that ask for nothing: any other value would
+# change the reply if honoured, so it is refused rather than dropped without a word.
+_NOT_IMPLEMENTED = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}), "suffix": (None, ""),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+}
+
+
 def _common(body: Any) -> GenerationRequest:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    for name, neutral in _NOT_IMPLEMENTED.items():
+        value = body.get(name)
+        numeric_bool = isinstance(value, bool) and not any(n is False for n in neutral)  # `false == 0` in Python
+        if value not in neutral or numeric_bool:
+            raise bad(name, f"is not supported by this server (got {value!r})")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "is required (a model id from GET /v1/models)")
