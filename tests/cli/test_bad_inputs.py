@@ -125,6 +125,7 @@ INFO_CASES: list[Case] = [
 
 EXPORT_CASES: list[Case] = [
     Case("export-missing-source", ["export", "{tmp}/nope", "--format", "hf", "--out", "{tmp}/o"], "nope: no such file or directory"),
+    Case("export-run-never-checkpointed", ["export", "{tmp}/early", "--format", "hf", "--out", "{tmp}/o"], "a training run with no checkpoint yet", files={"early/config.json": '{"model": {}, "train": {}}', "early/metrics.jsonl": ""}),
     Case("export-run-without-checkpoint", ["export", "{tmp}/empty", "--format", "hf", "--out", "{tmp}/o"], "no checkpoint yet", files={"empty/checkpoints/readme.txt": "x"}),
     Case("export-not-a-model-folder", ["export", "{tmp}/notes", "--format", "hf", "--out", "{tmp}/o"], "notes: no model here", files={"notes/readme.txt": "x"}),
     Case("export-corrupt-config", ["export", "{tmp}/bad", "--format", "hf", "--out", "{tmp}/o"], "config.json: line 1: not valid JSON", files={"bad/config.json": "{oops"}),

@@ -54,6 +54,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         if latest is None:
             raise CheckpointError(f"{p / 'checkpoints'}: no checkpoint yet (no step_* folder)")
         return latest
+    if (p / "metrics.jsonl").is_file() and not (p / "model.safetensors").is_file():  # a run folder's own files
+        raise CheckpointError(f"{p}: a training run with no checkpoint yet (no checkpoints/step_*/)")
     if (p / "config.json").is_file() or (p / "state.json").is_file():
         return p
     latest = latest_checkpoint(p)
