@@ -37,6 +37,14 @@ def test_dpo_eval_measures_against_the_runs_reference(tmp_path):
         assert res["n_targets"] == logged["val_targets"]
         assert res["loss"] == pytest.approx(logged["val_loss"], rel=1e-6)
         assert abs(res["loss"] - math.log(2)) > 1e-4  # the policy moved away from its reference
+    # the second run recorded the checkpoint its --init meant then; the first run moving on changes nothing
+    pinned = str((first / "checkpoints" / "step_00000003").resolve())
+    assert json.loads((second / "config.json").read_text())["train"]["init"] == pinned
+    before = _eval(second, tmp_path / "before.json", "--max-batches", "2", "--batch-size", "4", "--precision", "fp32")
+    assert main([*dpo, "--out", str(first), "--max-steps", "5", "--resume"]) == 0
+    after = _eval(second, tmp_path / "after.json", "--max-batches", "2", "--batch-size", "4", "--precision", "fp32")
+    assert after["loss"] == before["loss"]
+    assert main([*dpo, "--out", str(second), "--max-steps", "3", "--resume"]) == 0  # resumes with the pinned one
 
 
 def test_eval_scores_the_runs_val_data(tmp_path):

@@ -36,7 +36,7 @@ from seqlab.runtime.rundir import claim_run_dir
 from seqlab.train.config import TrainConfig, read_run_config
 from seqlab.train.demo import run_demo as demo
 from seqlab.train.evaluate import evaluate_checkpoint
-from seqlab.train.run import build_run
+from seqlab.train.run import build_run, pin_init
 from seqlab.train.rundir import existing_run
 from seqlab.train.trainer import Trainer
 
@@ -178,7 +178,7 @@ def run_train(args: argparse.Namespace) -> int:
         moved = claim_run_dir(args.out, existing_run(args.out), overwrite=args.overwrite)
         if moved is not None:
             print(f"[seqlab] --overwrite: the previous run in {args.out} was moved to {moved}")
-    cfg = make_config(args)
+    cfg = make_config(args) if args.resume else pin_init(make_config(args))
     resolve_device(cfg.device)  # a missing GPU fails now, not after the data is built
     run = build_run(cfg, resume=args.resume, load_folder=_load_model_folder)
     if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):

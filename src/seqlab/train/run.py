@@ -120,6 +120,15 @@ def initial_model(cfg: TrainConfig, mc: ModelConfig, load_folder: FolderLoader |
     return model
 
 
+def pin_init(cfg: TrainConfig) -> TrainConfig:
+    """The config a new run records: where the objective rebuilds a reference from ``--init`` (DPO), on resume and
+    in ``seqlab eval``, a run directory there would mean whatever its latest checkpoint is by then; so the run
+    records the checkpoint folder it starts from, as an absolute path (the working directory may change too)."""
+    if not cfg.init or not objective_class(cfg.objective).uses_initial_model:
+        return cfg
+    return cfg.replace(init=str(ckpt.resolve_checkpoint(cfg.init).resolve()))
+
+
 def build_run(cfg: TrainConfig, resume: bool = False, load_folder: FolderLoader | None = None) -> Run:
     torch.manual_seed(cfg.seed)
     tokenizer = build_tokenizer_for(cfg, resume=resume)
