@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from seqlab.cli.model_args import source_kind, trained_special_rule
+from seqlab.cli.model_args import source_kind, use_trained_special_rule
 from seqlab.config import ModelConfig
 from seqlab.data.tokenizers import load_tokenizer
 from seqlab.io.checkpoint import FORMAT, load_pretrained, read_config_json, resolve_checkpoint
@@ -84,8 +84,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"seqlab export: warning: no tokenizer.json next to {model_dir}; exporting the model only",
               file=sys.stderr)
     elif source_kind(model) == "seqlab":  # trained here: the exported tokenizer adds what training inputs had
-        add_bos, add_eos = trained_special_rule(model.config.arch)
-        tokenizer.set_special_rule(add_bos and tokenizer.bos_id is not None, add_eos and tokenizer.eos_id is not None)
+        use_trained_special_rule(tokenizer, model.config.arch)
     if args.format == "hf":
         eot = tokenizer.eot_id if tokenizer is not None else None
         out = export_hf(model, args.out, eot_id=eot if eot != model.config.eos_token_id else None)

@@ -56,7 +56,6 @@ class LoadedModel:
     model: nn.Module
     tokenizer: Tokenizer
     path: Path
-    kind: str  # "seqlab", "hf" or "gguf": decides whether prompts get BOS from us or from the tokenizer's rule
 
 
 def check_writable(path: str | os.PathLike, flag: str) -> None:
@@ -84,16 +83,19 @@ def load_model(args: argparse.Namespace, default_gguf: Path | None = None) -> Lo
         tok_path = folder / "tokenizer.json"
         if not tok_path.is_file():
             raise FileNotFoundError(f"{tok_path}: no tokenizer next to the checkpoint; text prompts need one")
-        return LoadedModel(model, load_tokenizer(tok_path), folder, source_kind(model))
+        tokenizer = load_tokenizer(tok_path)
+        if source_kind(model) == "seqlab":
+            use_trained_special_rule(tokenizer, model.config.arch)
+        return LoadedModel(model, tokenizer, folder)
     if args.model:
         folder = Path(args.model)
         model = apply_quant(load_hf(folder, dtype=dtype, device=device), args.quant, f"--model {folder}")
-        return LoadedModel(model, Tokenizer.from_pretrained(folder), folder, "hf")
+        return LoadedModel(model, Tokenizer.from_pretrained(folder), folder)
     path = Path(args.gguf) if args.gguf else default_gguf
     if path is None:
         raise ValueError("no model given: pass --checkpoint DIR, --gguf PATH or --model HFDIR")
     model, tokenizer = load_gguf(path, dtype=dtype, device=device, quant=args.quant)
-    return LoadedModel(model, tokenizer, path, "gguf")
+    return LoadedModel(model, tokenizer, path)
 
 
 def source_kind(model: nn.Module) -> str:
@@ -103,22 +105,19 @@ def source_kind(model: nn.Module) -> str:
     return kind if kind in ("hf", "gguf") else "seqlab"
 
 
-def trained_special_rule(arch: str) -> tuple[bool, bool]:
-    """(BOS first, EOS last) around the input text a model trained by seqlab read: a decoder's documents begin with
-    BOS, an encoder's rows are [BOS] ... [EOS] (BERT's CLS and SEP), an encoder-decoder's sources end with EOS."""
-    return {"decoder": (True, False), "encoder": (True, True), "encoder_decoder": (False, True)}[arch]
+def use_trained_special_rule(tokenizer: Tokenizer, arch: str) -> None:
+    """Give the tokenizer of a model trained by seqlab the special tokens its training inputs had, as its
+    ``add_special_tokens=True`` rule: a decoder's documents begin with BOS, an encoder's rows are [BOS] ... [EOS]
+    (BERT's CLS and SEP), an encoder-decoder's sources end with EOS. Prompts and exports then both follow it."""
+    add_bos, add_eos = {"decoder": (True, False), "encoder": (True, True), "encoder_decoder": (False, True)}[arch]
+    tokenizer.set_special_rule(add_bos and tokenizer.bos_id is not None, add_eos and tokenizer.eos_id is not None)
 
 
 def prompt_ids(loaded: LoadedModel, text: str, bos: bool = True) -> list[int]:
-    """A plain prompt as ids: seqlab checkpoints get the special tokens their training inputs had
-    (``trained_special_rule``: BOS for a decoder); HF and GGUF models follow their tokenizer's own rule
-    (``add_bos_token``). ``bos=False`` adds nothing."""
-    tok = loaded.tokenizer
-    if loaded.kind != "seqlab":
-        return tok.encode(text, add_special_tokens=bos)
-    add_bos, add_eos = trained_special_rule(loaded.model.config.arch) if bos else (False, False)
-    return ([tok.bos_id] if add_bos and tok.bos_id is not None else []) + tok.encode(text) + \
-        ([tok.eos_id] if add_eos and tok.eos_id is not None else [])
+    """A plain prompt as ids, by the tokenizer's rule: for a seqlab checkpoint the special tokens its training inputs
+    had (``use_trained_special_rule``, set at load: BOS for a decoder); HF and GGUF models follow their own
+    ``add_bos_token``. ``bos=False`` adds nothing."""
+    return loaded.tokenizer.encode(text, add_special_tokens=bos)
 
 
 def apply_quant(model: nn.Module, quant: str | None, source: str) -> nn.Module:
