@@ -8,6 +8,10 @@ in the same run mean anything.
 * decode tok/s: ``new / (t(1 + new tokens) - t(1 token))`` for both libraries, i.e. the prefill and the first
   token are subtracted out the same way, so per-step overhead is all that differs.
 * TTFT: a 512-token prompt, ``max_new_tokens=1``.
+* allocator: the process keeps freed blocks (``runtime.memory.keep_freed_blocks``), as ``seqlab generate`` and
+  ``chat`` do. Without it a prefill's page faults depended on the heap's history: 200 to 24 000 a prefill (6-layer
+  model) from one process to the next, up to 20 % of the time, for HF as for seqlab. HF shares the process, so it
+  runs with the same allocator.
 * columns: ``seqlab`` (the model as built: dense ``nn.Linear`` weights), ``seqlab+accel`` (a copy after
   :func:`seqlab.accel.accelerate` for ``rows``-row decode in the same dtype, what ``seqlab generate``/``chat``
   run with ``--dtype fp32|bf16``), ``seqlab default`` (fp32 rows: the copy ``--dtype auto``, the CLI default,
@@ -35,6 +39,7 @@ from seqlab.generate import GenerationConfig, generate_output
 from seqlab.io.checkpoint import load_state_into
 from seqlab.io.hf import convert_hf_state_dict
 from seqlab.model import build_model
+from seqlab.runtime.memory import keep_freed_blocks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -145,8 +150,10 @@ def run_benchmark(bc: BenchConfig, log=print) -> dict:
     CLOCK = time.process_time if bc.clock == "cpu" else time.perf_counter
     if bc.threads:
         torch.set_num_threads(bc.threads)
+    keep_freed_blocks()  # as `seqlab generate`/`chat` run (see the module docstring)
     results: dict = {"config": asdict(bc), "torch": torch.__version__, "threads": torch.get_num_threads(),
-                     "clock": bc.clock, "load_avg_before": os.getloadavg(), "rows": [], "ttft": []}
+                     "clock": bc.clock, "load_avg_before": os.getloadavg(), "allocator": "keep_freed_blocks",
+                     "rows": [], "ttft": []}
     for dname in bc.dtypes:
         dtype = DTYPES[dname]
         model, hf = build_models(bc, dtype, bc.compare_hf)

@@ -10,6 +10,8 @@ and only ratios from the same run mean anything:
 * batch-1 and batch-8 decode tok/s: ``new / (t(prompt -> 1 + new tokens) - t(prompt -> 1 token))``, so prefill
   and the first token are subtracted the same way for both libraries. EOS is disabled (HF: ``min_new_tokens``).
 * TTFT: a 512-token prompt, one new token.
+* allocator: the process keeps freed blocks, as ``seqlab generate`` and ``chat`` do (``bench/decode_bench.py`` says
+  why); HF shares the process and the allocator.
 * columns: ``seqlab`` (dense weights, as ``load_gguf`` returns them), ``seqlab+accel`` (after
   ``seqlab.accel.accelerate(model, "decode", rows=batch)``, as ``seqlab chat``/``generate`` run with an explicit
   ``--dtype``), ``seqlab default`` (fp32 rows: ``dtype="auto"``, the CLI default), ``hf``.
@@ -45,6 +47,7 @@ from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E40
 
 from seqlab.accel import accelerate  # noqa: E402
 from seqlab.cli.packaged import SMOLLM2_CHATS, packaged_smollm2  # noqa: E402
+from seqlab.runtime.memory import keep_freed_blocks  # noqa: E402
 from decode_bench import default_copy, packed_copy, weight_bound_ms  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -128,7 +131,8 @@ def _time(fn) -> float:
 
 def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats: int, compiled: bool = False,
             log=print) -> dict:
-    out: dict = {"decode": [], "ttft": [], "bound": []}
+    keep_freed_blocks()  # as `seqlab generate`/`chat` run
+    out: dict = {"decode": [], "ttft": [], "bound": [], "allocator": "keep_freed_blocks"}
     for dname in dtypes:
         model, tok, hf = load_models(path, DTYPES[dname])
         for batch in batches:

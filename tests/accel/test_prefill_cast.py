@@ -60,9 +60,11 @@ def test_an_onednn_prefill_is_fp32_and_runs_its_products_on_onednn(monkeypatch):
         got, want = prefill(model, ids, c1), prefill(plain, ids, c2)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # fp32: only the summation order differs
         torch.testing.assert_close(c1.k[0], c2.k[0], atol=1e-5, rtol=1e-5)
-        # every layer's products: the last layer's after its K/V on each row's last position only
-        assert len(calls) >= 2 * 4 and all(shape[:2] in ((2, 9), (2, 1)) for shape in calls)
-        assert sum(shape[:2] == (2, 9) for shape in calls) > len(calls) // 2
+        # every layer's products: the last layer's after its K/V on each row's last position only; then the head
+        body, head = calls[:-1], calls[-1]
+        assert len(body) >= 2 * 4 and all(shape[:2] in ((2, 9), (2, 1)) for shape in body)
+        assert sum(shape[:2] == (2, 9) for shape in body) > len(body) // 2
+        assert head == (2, model.config.d_model)  # the head's product of the last positions, on oneDNN too
         calls.clear()
         tok = want.argmax(-1)
         torch.testing.assert_close(decode_step(model, tok, c1), decode_step(plain, tok, c2), atol=1e-5, rtol=1e-5)

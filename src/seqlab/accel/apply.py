@@ -27,6 +27,7 @@ from seqlab.runtime.memory import move_to_huge_pages
 from seqlab.accel.packed_linear import PackedLinear
 from seqlab.accel.routes import USES, Route, Use, builtin_routes
 from seqlab.accel.prefill import choose_prefill_cast
+from seqlab.accel.prefill_attention import choose_attention
 from seqlab.accel.step_check import choose_fused
 from seqlab.accel.train_linear import TrainLinear
 from seqlab.accel.verify import pass_key, time_pass
@@ -72,6 +73,10 @@ class AccelPlan:
     prefill_s: dict[str, float] = field(default_factory=dict)
     prefill_from: int = 0
     prefill_route: str = ""  # PrefillCast.label: "64+ tokens in fp32 on oneDNN, 256+ in bf16"; "" when plain
+    # a long prompt's causal attention (seqlab.accel.prefill_attention): seconds per attention of one prompt
+    # ("sdpa@L", "avx2@L", ...), and what runs ("SDPA", or the kernel's build and the lengths it takes)
+    attention_s: dict[str, float] = field(default_factory=dict)
+    attention: str = ""
     huge_page_bytes: int = 0  # weights moved onto 2 MiB pages (seqlab.runtime.memory.move_to_huge_pages)
     # training: the MLP activation (seqlab.accel.fused_gelu), seconds per forward + backward of each candidate
     act_s: dict[str, float] = field(default_factory=dict)
@@ -98,6 +103,9 @@ class AccelPlan:
         if self.act_s:
             times = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.act_s.items())
             lines.append(f"  MLP activation (forward + backward): {times}; {self.act or 'torch'} runs")
+        if self.attention_s:
+            times = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.attention_s.items())
+            lines.append(f"  prefill attention (one prompt, all heads): {times}; {self.attention}")
         if self.prefill_s:
             times = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.prefill_s.items())
             verdict = (f"prompts of {self.prefill_route}" if self.prefill_from
@@ -181,7 +189,17 @@ def _all_routes(extra: Sequence[Route]) -> list[Route]:
 
 
 def restore_plain(model: nn.Module) -> nn.Module:
-    """Undo :func:`accelerate` in place: every accelerated layer back to a plain ``nn.Linear``."""
+    """Undo :func:`accelerate` in place: every accelerated layer back to a plain ``nn.Linear``, and the installed
+    prefill routes, fused step and plan removed."""
+    _restore_plain_layers(model)
+    uninstall_gelu(model)
+    for attr in ("accel_plan", "fused_decode", "prefill_cast", "prefill_attention"):
+        if attr in model.__dict__:
+            delattr(model, attr)
+    return model
+
+
+def _restore_plain_layers(model: nn.Module) -> None:
     for name, m in list(model.named_modules()):
         if isinstance(m, (PackedLinear, TrainLinear)):
             plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
@@ -192,11 +210,6 @@ def restore_plain(model: nn.Module) -> nn.Module:
                 plain.bias = None if m.bias is None else nn.Parameter(m.bias.detach(), requires_grad=False)
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, plain)
-    uninstall_gelu(model)
-    for attr in ("accel_plan", "fused_decode", "prefill_cast"):
-        if attr in model.__dict__:
-            delattr(model, attr)
-    return model
 
 
 def accelerate(model: nn.Module, for_: str = "decode", *, rows: int | None = None,
@@ -231,7 +244,14 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
         model.to(compute)
     if for_ != "train":  # weights streamed once per step: on 2 MiB pages where the kernel has them
         plan.huge_page_bytes = move_to_huge_pages([*model.parameters(), *model.buffers()])
-    if for_ == "decode" and compute == torch.float32:  # bf16 products only under "auto"; oneDNN's fp32 always
+    if for_ == "decode" and compute == torch.float32:
+        cfg = model.config
+        if cfg.arch == "decoder":  # a long prompt's causal attention: seqlab's kernel where it beats SDPA
+            attention = choose_attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, use_cache)
+            plan.attention_s, plan.attention = attention.timings_s, attention.label
+            if attention.isa is not None:
+                model.prefill_attention = attention
+        # bf16 products only under "auto"; oneDNN's fp32 always (timed with the attention just chosen)
         cast, plan.prefill_s = choose_prefill_cast(model, use_cache=use_cache, allow_bf16=dtype == "auto")
         if cast is not None:  # fp32 weights and decode steps, another route for prompts of min_tokens or more
             model.prefill_cast, plan.prefill_from, plan.prefill_route = cast, cast.min_tokens, cast.label
@@ -266,7 +286,7 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
         if use_cache:
             plan.pass_s = dict(store_cache(sig, {key: plan.pass_s})[key])
     if checked and fastest(plan.pass_s) == "dense":
-        restore_plain(model)
+        _restore_plain_layers(model)  # the layers only: the prefill's routes were chosen by their own timings
         plan.kept = False
     if for_ == "train":  # the MLP activation too, where a fused one measures faster (same Parameters, same math)
         act, plan.act_s = choose_gelu(model, plan.rows, compute, use_cache=use_cache)

@@ -77,6 +77,17 @@ class PrefillCast:
             return OneDNNProducts()
         return torch.autocast("cpu", dtype=self.dtype)
 
+    def head_context(self, n_tokens: int) -> contextlib.AbstractContextManager:
+        """The LM head's product of each prompt's last position: on oneDNN where the prompt's route is oneDNN's
+        fp32 (a few rows against the whole head weight: on the CPUs where oneDNN wins the products it also streams
+        a weight faster), plain otherwise (bf16 would convert the whole head weight for those few rows). Timed as
+        part of each prefill."""
+        if self.longer is not None and n_tokens >= self.longer.min_tokens:
+            return self.longer.head_context(n_tokens)
+        if n_tokens < self.min_tokens or self.dtype != torch.float32:
+            return contextlib.nullcontext()
+        return OneDNNProducts()
+
     @property
     def route(self) -> str:
         return "fp32 on oneDNN" if self.dtype == torch.float32 else "bf16"
@@ -97,7 +108,10 @@ def prefill_key(model: nn.Module, allow_bf16: bool = True) -> str:
     dims = (cfg.arch, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size,
             cfg.mlp, cfg.norm)
     routes = "onednn+bf16" if allow_bf16 else "onednn"
-    return f"prefill|{routes}|{hashlib.sha1(repr(dims).encode()).hexdigest()[:16]}"
+    # the attention a prefill runs (seqlab.accel.prefill_attention) and the head's route are part of what is timed
+    attention = getattr(model, "prefill_attention", None)
+    extras = f"head|{attention.label if attention is not None else 'sdpa'}"
+    return f"prefill|{routes}|{extras}|{hashlib.sha1(repr(dims).encode()).hexdigest()[:16]}"
 
 
 def candidate_casts(allow_bf16: bool) -> dict[str, PrefillCast | None]:
@@ -119,12 +133,28 @@ def time_prefills(model: nn.Module, length: int, casts: dict[str, PrefillCast | 
         for r in range(ROUNDS + 1):  # round 0 is the warm-up (oneDNN primitives are made on first use)
             for name, cast in casts.items():
                 cache = model.new_cache(1, length)
-                t0 = clock()
-                with cast.context(length) if cast is not None else contextlib.nullcontext():
+                with _installed(model, cast):  # the prefill exactly as it will run: body and head routes
+                    t0 = clock()
                     prefill(model, ids, cache)
-                if r:
-                    best[name] = min(best[name], clock() - t0)
+                    if r:
+                        best[name] = min(best[name], clock() - t0)
     return best
+
+
+@contextlib.contextmanager
+def _installed(model: nn.Module, cast: PrefillCast | None):
+    """``model.prefill_cast = cast`` (None: none) for the block; whatever was there before comes back."""
+    before = model.__dict__.get("prefill_cast")
+    if cast is None:
+        model.__dict__.pop("prefill_cast", None)
+    else:
+        model.prefill_cast = cast
+    try:
+        yield
+    finally:
+        model.__dict__.pop("prefill_cast", None)
+        if before is not None:
+            model.prefill_cast = before
 
 
 def _winner(timings: dict[str, float], length: int) -> PrefillCast | None:

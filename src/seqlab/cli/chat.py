@@ -28,6 +28,7 @@ from seqlab.cli.packaged import SMOLLM2_PACKAGE, missing_package, packaged_smoll
 from seqlab.data import Tokenizer
 from seqlab.generate import stream
 from seqlab.generate.chat import turn_end_ids
+from seqlab.runtime.memory import keep_freed_blocks
 
 HISTORY_FILE = Path(os.environ.get("SEQLAB_CHAT_HISTORY", Path.home() / ".seqlab_chat_history"))
 
@@ -130,7 +131,8 @@ def _load_chat_model(args):
     loaded = load_model(args, default_gguf=packaged_smollm2())
     if not loaded.tokenizer.chat_template:
         raise ValueError(f"{loaded.path}: the model has no chat template; use `seqlab generate` instead")
-    if not args.no_accel:
+    keep_freed_blocks()  # each turn's prefill reuses the pages the last one freed instead of faulting in fresh ones
+    if not args.no_accel:  # (after the allocator setting: the calibration times prefills as they will run)
         accelerate(loaded.model, "decode", rows=1, dtype="auto" if args.dtype == "auto" else None)
     return loaded.path, loaded.model, loaded.tokenizer
 

@@ -19,6 +19,7 @@ from seqlab.generate.chat import turn_end_ids
 from seqlab.generate.engine import is_encoder_decoder
 from seqlab.io import load_pretrained
 from seqlab.runtime import atomic_write_text
+from seqlab.runtime.memory import keep_freed_blocks
 
 
 def add_decode_speed_options(p: argparse.ArgumentParser) -> None:
@@ -154,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         eos_token_id=eos, pad_token_id=pad, stop_strings=args.stop, seed=args.seed, truncate_prompt=args.truncate,
         compile=args.compile,
     )
+    keep_freed_blocks()  # a prefill's layers reuse the pages the layer before freed instead of faulting in fresh ones
     if not args.no_accel:  # inference only from here on: routes for the rows a decode step multiplies
         for m in (model, draft):
             if m is not None:

@@ -45,8 +45,14 @@ def prefill(model, input_ids: Tensor, cache, attention_mask: Tensor | None = Non
     if last_index is None and not is_encoder_decoder(model):
         last_index = torch.full((input_ids.shape[0],), input_ids.shape[1] - 1, dtype=torch.long,
                                 device=input_ids.device)
-    cast = getattr(model, "prefill_cast", None)  # lower-precision products for long prompts (seqlab.accel.prefill)
-    with cast.context(input_ids.numel()) if cast is not None else contextlib.nullcontext():
+    # installed from outside (seqlab.accel): a faster route for a long prompt's products, and a causal attention
+    cast = getattr(model, "prefill_cast", None)
+    attention = getattr(model, "prefill_attention", None)
+    with contextlib.ExitStack() as routes:
+        if cast is not None:
+            routes.enter_context(cast.context(input_ids.numel()))
+        if attention is not None:
+            routes.enter_context(attention.mode())
         if is_encoder_decoder(model):
             memory = model.encode(input_ids, attention_mask)
             if decoder_input_ids is None:
@@ -56,7 +62,8 @@ def prefill(model, input_ids: Tensor, cache, attention_mask: Tensor | None = Non
             h = model.decode_body(decoder_input_ids, memory, attention_mask, cache=cache)
         else:  # the last layer runs on each row's last real position only: nothing else reaches the logits
             h = model.body(input_ids, attention_mask, cache=cache, keep=last_index)
-    return model.head(h[:, -1])
+    with cast.head_context(input_ids.numel()) if cast is not None else contextlib.nullcontext():
+        return model.head(h[:, -1])
 
 
 def decode_step(model, tokens: Tensor, cache, position_ids: Tensor | None = None) -> Tensor:

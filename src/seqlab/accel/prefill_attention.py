@@ -1,0 +1,197 @@
+"""Causal self-attention for a long fp32 prefill in one C call (``prefill_attention.c``), where it times faster.
+
+Why: once a prefill's products run near the CPU's matmul peak, SDPA's CPU flash attention is the largest piece left
+(a fifth of a 512-token prefill of the 6-layer bench model under the AVX2 caps), and it runs well below that
+peak: its kernel works through small blocks with a running (online) softmax. A prompt of a few thousand tokens
+fits a whole score row per query in cache, so this kernel computes each block of 48 queries' scores in one
+register-tiled product, takes the exact softmax, and multiplies by V. Same arithmetic, another summation order
+and a polynomial ``exp`` (2 ulp): outputs agree with SDPA's to fp32 rounding.
+
+It takes only what it was built for: fp32 CPU tensors, no gradient, ``is_causal`` with as many queries as keys and
+no mask, no dropout, a head dimension the tiles divide. Anything else goes to SDPA unchanged. Whether it runs at
+all is decided by timing (:func:`choose_attention`), per CPU signature and attention shape.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import subprocess
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from seqlab.accel.calibrate import load_cache, store_cache
+from seqlab.runtime import native
+from seqlab.runtime.cpu import current_signature
+
+SOURCE = Path(__file__).with_name("prefill_attention.c")
+SIMD = Path(__file__).with_name("simd.h")
+HEAD_DIM_MULTIPLE = 32  # the kernel's column tile in the AVX-512 build (16 in the AVX2 one)
+LENGTHS = (64, 256, 1024)  # prompt lengths timed: the kernel takes prompts from the shortest length it wins from on
+MIN_SPEEDUP = 1.1  # only the rounding changes: a clear margin over timing noise suffices
+ROUNDS = 5
+_LIBS: dict[str, ctypes.CDLL | None] = {}
+i64 = ctypes.c_int64
+
+
+class _Attention(ctypes.Structure):
+    _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("out", ctypes.c_void_p),
+                ("batch", i64), ("n_heads", i64), ("n_kv", i64), ("len", i64), ("head_dim", i64),
+                ("q_strides", i64 * 3), ("k_strides", i64 * 3), ("v_strides", i64 * 3), ("out_strides", i64 * 3),
+                ("scale", ctypes.c_float)]
+
+
+def library(isa: str) -> ctypes.CDLL | None:
+    """The kernel built for ``isa`` ("avx2" or "avx512"), or None where it cannot be built or run here."""
+    if isa not in _LIBS:
+        try:
+            dll = native.build_library("prefill_attention", SOURCE, isa, includes=[SIMD])
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            if isa == "avx2":
+                warnings.warn(f"seqlab.accel: prefill attention kernel unavailable ({e})", RuntimeWarning)
+            dll = None
+        if dll is not None:
+            dll.seqlab_causal_attention.argtypes = [ctypes.POINTER(_Attention), ctypes.c_int]
+            dll.seqlab_causal_attention.restype = ctypes.c_int
+        _LIBS[isa] = dll
+    return _LIBS[isa]
+
+
+def available_isas() -> list[str]:
+    return [isa for isa in ("avx2", "avx512") if native.isa_allowed(isa) is None and library(isa) is not None]
+
+
+def takes(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
+          is_causal: bool = False) -> bool:
+    """Whether the kernel computes this SDPA call (else SDPA does)."""
+    if attn_mask is not None or not is_causal or dropout_p != 0.0 or not q.dim() == k.dim() == v.dim() == 4:
+        return False
+    if any(t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1 or t.requires_grad
+           for t in (q, k, v)):
+        return False
+    (B, H, T, D), (Bk, G, Tk, Dk) = q.shape, k.shape
+    return (T > 0 and G > 0 and D > 0 and (Bk, Tk, Dk) == (B, T, D) and tuple(v.shape) == (B, G, T, D)
+            and H % G == 0 and D % HEAD_DIM_MULTIPLE == 0)
+
+
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, isa: str = "avx2") -> Tensor | None:
+    """SDPA's ``is_causal`` result for ``q`` [B, H, T, D] and ``k``, ``v`` [B, G, T, D] (G divides H), computed by
+    the kernel; None where it declined (the caller falls back to SDPA). The result is a [B, H, T, D] view of a
+    [B, T, H, D] tensor, so the usual ``transpose(1, 2).reshape(B, T, H * D)`` after attention is free."""
+    lib = library(isa)
+    if lib is None:
+        return None
+    B, H, T, D = q.shape
+    out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
+    view = out.transpose(1, 2)
+    desc = _Attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, H, k.shape[1], T, D,
+                      (i64 * 3)(*q.stride()[:3]), (i64 * 3)(*k.stride()[:3]), (i64 * 3)(*v.stride()[:3]),
+                      (i64 * 3)(*view.stride()[:3]), 1.0 / math.sqrt(D) if scale is None else scale)
+    return view if lib.seqlab_causal_attention(ctypes.byref(desc), torch.get_num_threads()) == 0 else None
+
+
+class PrefillAttention(TorchFunctionMode):
+    """Within it, SDPA calls the kernel :func:`takes` of at least ``min_len`` queries run on the ``isa`` build."""
+
+    def __init__(self, min_len: int, isa: str):
+        super().__init__()
+        self.min_len, self.isa = min_len, isa
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            out = self._attend(*args, **kwargs)
+            if out is not None:
+                return out
+        return func(*args, **kwargs)
+
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                enable_gqa: bool = False) -> Tensor | None:
+        """SDPA's parameters, by its names; None: SDPA computes it (its own errors included)."""
+        if query.dim() != 4 or query.shape[2] < self.min_len or torch.is_autocast_enabled("cpu"):
+            return None  # (under autocast SDPA runs in bf16: the bf16 route was timed and judged that way)
+        if not takes(query, key, value, attn_mask, dropout_p, is_causal):
+            return None
+        if key.shape[1] != query.shape[1] and not enable_gqa:
+            return None
+        return causal_attention(query, key, value, scale, self.isa)
+
+
+@dataclass(frozen=True)
+class AttentionChoice:
+    """The kernel's build and the prompt length it takes over from (None: SDPA everywhere), with the timings."""
+
+    isa: str | None
+    min_len: int
+    timings_s: dict[str, float]
+
+    def mode(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self.isa is None else PrefillAttention(self.min_len, self.isa)
+
+    @property
+    def label(self) -> str:
+        return f"{self.min_len}+ tokens on seqlab's kernel ({self.isa})" if self.isa else "SDPA"
+
+
+def time_attention(n_heads: int, n_kv: int, head_dim: int, length: int, isas: list[str],
+                   clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Seconds per causal attention of one ``length``-token prompt: ``"sdpa"`` and each kernel build (best of
+    interleaved rounds after a warm-up), on random inputs laid out as the model lays them out."""
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(1, length, n_heads + 2 * n_kv, head_dim, generator=g)
+    q, k, v = (t.transpose(1, 2) for t in qkv.split((n_heads, n_kv, n_kv), dim=2))
+    k, v = k.contiguous(), v.contiguous()  # the cache's layout
+    runs: dict[str, Callable[[], object]] = {
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_heads != n_kv)}
+    for isa in isas:
+        runs[isa] = lambda isa=isa: causal_attention(q, k, v, isa=isa)
+    best = {name: float("inf") for name in runs}
+    with torch.inference_mode():
+        for r in range(ROUNDS + 1):
+            for name, fn in runs.items():
+                t0 = clock()
+                declined = fn() is None  # (a build that declined, out of memory, must not win by being quick)
+                if r and not declined:
+                    best[name] = min(best[name], clock() - t0)
+    return best
+
+
+def attention_key(n_heads: int, n_kv: int, head_dim: int, isas: list[str], lengths: list[int]) -> str:
+    """The shape, the builds, the lengths timed (they depend on the model's longest prompt) and the kernel's source."""
+    return (f"prefill-attention|{n_heads}x{n_kv}x{head_dim}|{'+'.join(isas)}|{'+'.join(map(str, lengths))}|"
+            f"{native.source_key([SOURCE, SIMD])}")
+
+
+def choose_attention(n_heads: int, n_kv: int, head_dim: int, max_len: int, use_cache: bool = True) -> AttentionChoice:
+    """Time SDPA against each kernel build at ``LENGTHS`` (up to ``max_len``), once per CPU signature and shape
+    (cached). The fastest build takes prompts from the shortest length from which it beats SDPA by
+    ``MIN_SPEEDUP`` at that and every longer timed length; longer prompts follow the longest one's verdict."""
+    isas = available_isas() if head_dim % HEAD_DIM_MULTIPLE == 0 else []
+    if not isas:
+        return AttentionChoice(None, 0, {})
+    lengths = [n for n in LENGTHS if n <= max_len]
+    if not lengths:
+        return AttentionChoice(None, 0, {})
+    key, sig = attention_key(n_heads, n_kv, head_dim, isas, lengths), current_signature()
+    timings = dict(load_cache(sig).get(key, {})) if use_cache else {}
+    if not timings:
+        for n in lengths:
+            timings |= {f"{name}@{n}": s for name, s in time_attention(n_heads, n_kv, head_dim, n, isas).items()}
+        if use_cache:
+            timings = dict(store_cache(sig, {key: timings})[key])
+    isa = min(isas, key=lambda i: timings[f"{i}@{lengths[-1]}"])
+    min_len = None
+    for n in reversed(lengths):
+        if timings[f"{isa}@{n}"] * MIN_SPEEDUP > timings[f"sdpa@{n}"]:
+            break
+        min_len = n
+    return AttentionChoice(isa if min_len is not None else None, min_len or 0, timings)
