@@ -47,6 +47,19 @@ def test_the_kernel_equals_sdpa_causal(isa, heads, kv, dim, length):
                                                               enable_gqa=heads != kv), atol=2e-6, rtol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("length", [5, 49, 530])
+def test_bf16_inputs_are_computed_in_fp32_and_rounded_once(isa, length):
+    q, k, v = (t.bfloat16() for t in model_layout(2, length, 6, 2, 64, seed=length))
+    got = pa.causal_attention(q, k, v, isa=isa)
+    assert got.dtype == torch.bfloat16
+    exact = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(got.float(), exact, atol=4e-3, rtol=4e-3)  # bf16 keeps 8 bits: 2^-8 = 3.9e-3
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+                               atol=2e-2, rtol=2e-2)  # SDPA's own bf16 path rounds along the way too
+
+
 def test_it_takes_only_the_calls_it_was_built_for():
     q, k, v = model_layout(1, 20, 4, 2, 32)
     assert pa.takes(q, k, v, is_causal=True)
@@ -54,7 +67,9 @@ def test_it_takes_only_the_calls_it_was_built_for():
     assert not pa.takes(q, k, v, attn_mask=torch.ones(1, 1, 20, 20, dtype=torch.bool), is_causal=True)  # padding
     assert not pa.takes(q, k, v, dropout_p=0.1, is_causal=True)
     assert not pa.takes(q[:, :, -1:], k, v, is_causal=True)  # one query against a filled cache
-    assert not pa.takes(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)
+    assert pa.takes(q.bfloat16(), k.bfloat16(), v.bfloat16(), is_causal=True)
+    assert not pa.takes(q.bfloat16(), k, v, is_causal=True)  # mixed dtypes (autocast's leftovers)
+    assert not pa.takes(q.half(), k.half(), v.half(), is_causal=True)
     assert not pa.takes(q.clone().requires_grad_(), k, v, is_causal=True)  # training needs SDPA's backward
     q16, k16, v16 = model_layout(1, 20, 4, 2, 16)
     assert not pa.takes(q16, k16, v16, is_causal=True)  # a head width the tiles do not divide
@@ -187,3 +202,21 @@ def test_the_output_is_on_the_inputs_device_whatever_the_default_device():
     assert out.device.type == "cpu"
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
                                atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
+def test_a_bf16_model_gets_the_kernel_chosen_for_bf16(monkeypatch):
+    timed = []
+
+    def fake(h, g, d, n, isas, dtype=torch.float32, clock=None):
+        timed.append(dtype)
+        return {"sdpa": 1.0} | {i: 0.5 for i in isas}
+
+    monkeypatch.setattr(pa, "time_attention", fake)
+    model = accelerate(kernel_model().bfloat16(), "decode", rows=1, dtype=None, budget_s=0.2)
+    plain = kernel_model().bfloat16()
+    assert set(timed) == {torch.bfloat16} and "prefill_attention" in model.__dict__
+    ids = torch.randint(0, 97, (1, 80), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got, want = prefill(model, ids, model.new_cache(1, 90)), prefill(plain, ids, plain.new_cache(1, 90))
+    torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=0)  # bf16 rounding, in other places

@@ -244,13 +244,13 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
         model.to(compute)
     if for_ != "train":  # weights streamed once per step: on 2 MiB pages where the kernel has them
         plan.huge_page_bytes = move_to_huge_pages([*model.parameters(), *model.buffers()])
+    cfg = model.config
+    if for_ == "decode" and cfg.arch == "decoder":  # a long prompt's causal attention: the kernel where it wins
+        attention = choose_attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, use_cache, compute)
+        plan.attention_s, plan.attention = attention.timings_s, attention.label
+        if attention.isa is not None:
+            model.prefill_attention = attention
     if for_ == "decode" and compute == torch.float32:
-        cfg = model.config
-        if cfg.arch == "decoder":  # a long prompt's causal attention: seqlab's kernel where it beats SDPA
-            attention = choose_attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, use_cache)
-            plan.attention_s, plan.attention = attention.timings_s, attention.label
-            if attention.isa is not None:
-                model.prefill_attention = attention
         # bf16 products only under "auto"; oneDNN's fp32 always (timed with the attention just chosen)
         cast, plan.prefill_s = choose_prefill_cast(model, use_cache=use_cache, allow_bf16=dtype == "auto")
         if cast is not None:  # fp32 weights and decode steps, another route for prompts of min_tokens or more

@@ -17,12 +17,17 @@
                  matched 8 x 64 in the AVX-512 one) */
 
 typedef struct {
-    const float *q, *k, *v;
-    float *out;
+    const void *q, *k, *v; /* fp32, or bf16 where `bf16`: then widened once (K and V into scratch), out bf16 */
+    void *out;
     int64_t batch, n_heads, n_kv, len, head_dim;
-    int64_t q_strides[3], k_strides[3], v_strides[3], out_strides[3]; /* batch, head, position; in floats */
+    int64_t q_strides[3], k_strides[3], v_strides[3], out_strides[3]; /* batch, head, position; in elements */
     float scale;
+    int64_t bf16;
 } Attention;
+
+static inline float element(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
 
 static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -44,15 +49,17 @@ static inline void score_tile(const float *qs, int64_t D, const float *kt, int64
     }
 }
 
-/* out[r][c0 .. c0+NR) (+)= sum_{j0 <= j < j1} p[r][j] v[j][c0 .. c0+NR) for MR rows, rows past `rows` not stored:
- * the first key block starts from zero, later ones add to what the earlier ones stored, and the last scales by
- * inv[r] = 1 / the row's softmax sum. Key blocks keep the V rows a block reads in cache across the row tiles. */
+/* rows r < `rows` of sum_{j0 <= j < j1} p[r][j] v[j][c0 .. c0+NR), for MR rows: the first key block starts from
+ * zero, later ones add to the partial sums the earlier ones left in `part` (stride part_st), and the last scales by
+ * inv[r] = 1 / the row's softmax sum and stores into `dst` (fp32, or bf16 where dst_bf16; stride dst_st). Key
+ * blocks keep the V rows a block reads in cache across the row tiles. */
 static inline void value_tile(const float *p, int64_t ld_p, const float *v, int64_t v_st, int64_t j0, int64_t j1,
-                              float *out, int64_t o_st, const float *inv, int rows, int first, int last) {
+                              float *part, int64_t part_st, void *dst, int64_t dst_st, int dst_bf16, const float *inv,
+                              int rows, int first, int last) {
     vf acc[MR][2];
     for (int r = 0; r < MR; r++) {
-        acc[r][0] = first || r >= rows ? vzero() : vload(out + r * o_st);
-        acc[r][1] = first || r >= rows ? vzero() : vload(out + r * o_st + VL);
+        acc[r][0] = first || r >= rows ? vzero() : vload(part + r * part_st);
+        acc[r][1] = first || r >= rows ? vzero() : vload(part + r * part_st + VL);
     }
     for (int64_t j = j0; j < j1; j++) {
         const vf v0 = vload(v + j * v_st), v1 = vload(v + j * v_st + VL);
@@ -63,9 +70,18 @@ static inline void value_tile(const float *p, int64_t ld_p, const float *v, int6
         }
     }
     for (int r = 0; r < rows; r++) {
-        const vf s = vset1(last ? inv[r] : 1.0f);
-        vstore(out + r * o_st, vmul(acc[r][0], s));
-        vstore(out + r * o_st + VL, vmul(acc[r][1], s));
+        if (!last) {
+            vstore(part + r * part_st, acc[r][0]);
+            vstore(part + r * part_st + VL, acc[r][1]);
+        } else if (dst_bf16) {
+            const vf s = vset1(inv[r]);
+            vstore_bf16((uint16_t *)dst + r * dst_st, vmul(acc[r][0], s));
+            vstore_bf16((uint16_t *)dst + r * dst_st + VL, vmul(acc[r][1], s));
+        } else {
+            const vf s = vset1(inv[r]);
+            vstore((float *)dst + r * dst_st, vmul(acc[r][0], s));
+            vstore((float *)dst + r * dst_st + VL, vmul(acc[r][1], s));
+        }
     }
 }
 
@@ -108,25 +124,39 @@ int seqlab_causal_attention(const Attention *a, int nthreads) {
     const int64_t B = a->batch, H = a->n_heads, G = a->n_kv, T = a->len, D = a->head_dim;
     if (D % NR || H % G || T <= 0) return -1;
     const int64_t tpad = round_up(T, NR), nqb = (T + BQ - 1) / BQ, group = H / G;
+    const int bf16 = a->bf16 != 0;
     float *kt = aligned_alloc(64, (size_t)(B * G * D * tpad) * sizeof(float));
-    if (!kt) return -1;
+    /* bf16 values are widened once into [B, G, T, D] fp32; fp32 ones are read where they are */
+    float *vw = bf16 ? aligned_alloc(64, (size_t)(B * G * D * tpad) * sizeof(float)) : NULL;
+    if (!kt || (bf16 && !vw)) {
+        free(kt);
+        free(vw);
+        return -1;
+    }
+    const int64_t v_st = bf16 ? D : a->v_strides[2];
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for collapse(2) schedule(static)
         for (int64_t b = 0; b < B; b++)
             for (int64_t g = 0; g < G; g++) {
-                const float *k = a->k + b * a->k_strides[0] + g * a->k_strides[1];
+                const int64_t k0 = b * a->k_strides[0] + g * a->k_strides[1], v0 = b * a->v_strides[0] + g * a->v_strides[1];
                 float *dst = kt + (b * G + g) * D * tpad;
                 for (int64_t j = 0; j < T; j++)
-                    for (int64_t d = 0; d < D; d++) dst[d * tpad + j] = k[j * a->k_strides[2] + d];
+                    for (int64_t d = 0; d < D; d++) dst[d * tpad + j] = element(a->k, k0 + j * a->k_strides[2] + d, bf16);
                 for (int64_t d = 0; d < D; d++)
                     for (int64_t j = T; j < tpad; j++) dst[d * tpad + j] = 0.0f;
+                if (bf16)
+                    for (int64_t j = 0; j < T; j++)
+                        for (int64_t d = 0; d < D; d++)
+                            vw[((b * G + g) * tpad + j) * D + d] = element(a->v, v0 + j * a->v_strides[2] + d, 1);
             }
         float *qs = aligned_alloc(64, (size_t)(round_up(BQ, MR) * D) * sizeof(float));
         float *s = aligned_alloc(64, (size_t)(round_up(BQ, MR) * tpad) * sizeof(float));
+        /* a bf16 call's rows add up over key blocks in fp32 here before their one rounding to bf16 */
+        float *o32 = bf16 ? aligned_alloc(64, (size_t)(round_up(BQ, MR) * D) * sizeof(float)) : NULL;
         float inv[BQ + MR];
-        const int ok = qs && s;
+        const int ok = qs && s && (!bf16 || o32);
         if (!ok) {
 #pragma omp atomic write
             failed = 1;
@@ -137,12 +167,19 @@ int seqlab_causal_attention(const Attention *a, int nthreads) {
             const int64_t qb = nqb - 1 - t / (B * H), bh = t % (B * H), b = bh / H, h = bh % H, g = h / group;
             const int64_t i0 = qb * BQ, rows = (i0 + BQ < T ? i0 + BQ : T) - i0, mrows = round_up(rows, MR);
             const int64_t i1 = i0 + rows, cols = round_up(i1, NR);
-            const float *q = a->q + b * a->q_strides[0] + h * a->q_strides[1] + i0 * a->q_strides[2];
+            const int64_t q0 = b * a->q_strides[0] + h * a->q_strides[1] + i0 * a->q_strides[2];
+            const int64_t o0 = b * a->out_strides[0] + h * a->out_strides[1] + i0 * a->out_strides[2];
+            const int64_t o_st = a->out_strides[2];
             const float *ktg = kt + (b * G + g) * D * tpad;
-            const float *v = a->v + b * a->v_strides[0] + g * a->v_strides[1];
-            float *out = a->out + b * a->out_strides[0] + h * a->out_strides[1] + i0 * a->out_strides[2];
+            const float *v = bf16 ? vw + (b * G + g) * tpad * D
+                                  : (const float *)a->v + b * a->v_strides[0] + g * a->v_strides[1];
+            void *out = bf16 ? (void *)((uint16_t *)a->out + o0) : (void *)((float *)a->out + o0);
+            /* partial sums across key blocks: in the fp32 output itself, or in fp32 scratch for a bf16 one */
+            float *part = bf16 ? o32 : (float *)out;
+            const int64_t part_st = bf16 ? D : o_st;
             for (int64_t r = 0; r < mrows; r++)
-                for (int64_t d = 0; d < D; d++) qs[r * D + d] = r < rows ? q[r * a->q_strides[2] + d] * a->scale : 0.0f;
+                for (int64_t d = 0; d < D; d++)
+                    qs[r * D + d] = r < rows ? element(a->q, q0 + r * a->q_strides[2] + d, bf16) * a->scale : 0.0f;
             for (int64_t jb = 0; jb < cols; jb += BK) /* key blocks: the block of K^T stays in cache */
                 for (int64_t r0 = 0; r0 < mrows; r0 += MR) {
                     const int64_t last = i0 + r0 + MR - 1; /* the tile's last query sees keys 0..last */
@@ -161,15 +198,19 @@ int seqlab_causal_attention(const Attention *a, int nthreads) {
                     if (j0 >= n) continue;
                     const int64_t j1 = j0 + BK < n ? j0 + BK : n;
                     const int nrows = (int)(rows - r0 < MR ? rows - r0 : MR);
-                    for (int64_t c0 = 0; c0 < D; c0 += NR)
-                        value_tile(s + r0 * tpad, tpad, v + c0, a->v_strides[2], j0, j1,
-                                   out + r0 * a->out_strides[2] + c0, a->out_strides[2], inv + r0, nrows, j0 == 0,
-                                   j1 == n);
+                    for (int64_t c0 = 0; c0 < D; c0 += NR) {
+                        void *dst = bf16 ? (void *)((uint16_t *)out + r0 * o_st + c0)
+                                         : (void *)((float *)out + r0 * o_st + c0);
+                        value_tile(s + r0 * tpad, tpad, v + c0, v_st, j0, j1, part + r0 * part_st + c0, part_st,
+                                   dst, o_st, bf16, inv + r0, nrows, j0 == 0, j1 == n);
+                    }
                 }
         }
         free(qs);
         free(s);
+        free(o32);
     }
     free(kt);
+    free(vw);
     return failed ? -1 : 0;
 }

@@ -1,13 +1,14 @@
-"""Causal self-attention for a long fp32 prefill in one C call (``prefill_attention.c``), where it times faster.
+"""Causal self-attention for a long prefill in one C call (``prefill_attention.c``), where it times faster.
 
 Why: once a prefill's products run near the CPU's matmul peak, SDPA's CPU flash attention is the largest piece left
 (a fifth of a 512-token prefill of the 6-layer bench model under the AVX2 caps), and it runs well below that
 peak: its kernel works through small blocks with a running (online) softmax. A prompt of a few thousand tokens
 fits a whole score row per query in cache, so this kernel computes each block of 48 queries' scores in one
 register-tiled product, takes the exact softmax, and multiplies by V. Same arithmetic, another summation order
-and a polynomial ``exp`` (2 ulp): outputs agree with SDPA's to fp32 rounding.
+and a polynomial ``exp`` (2 ulp): outputs agree with SDPA's to fp32 rounding (bf16 outputs: to one bf16 rounding).
 
-It takes only what it was built for: fp32 CPU tensors, no gradient, ``is_causal`` with as many queries as keys and
+It takes only what it was built for: fp32 or bf16 CPU tensors (bf16 ones widened once, computed in fp32, the
+output rounded once), no gradient, ``is_causal`` with as many queries as keys and
 no mask, no dropout, a head dimension the tiles divide. Anything else goes to SDPA unchanged. Whether it runs at
 all is decided by timing (:func:`choose_attention`), per CPU signature and attention shape.
 """
@@ -35,6 +36,7 @@ from seqlab.runtime.cpu import current_signature
 SOURCE = Path(__file__).with_name("prefill_attention.c")
 SIMD = Path(__file__).with_name("simd.h")
 HEAD_DIM_MULTIPLE = 32  # the kernel's column tile in the AVX-512 build (16 in the AVX2 one)
+DTYPES = (torch.float32, torch.bfloat16)  # bf16 values are widened once and computed in fp32, the output rounded once
 LENGTHS = (64, 256, 1024)  # prompt lengths timed: the kernel takes prompts from the shortest length it wins from on
 MIN_SPEEDUP = 1.1  # only the rounding changes: a clear margin over timing noise suffices
 ROUNDS = 5
@@ -46,7 +48,7 @@ class _Attention(ctypes.Structure):
     _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("batch", i64), ("n_heads", i64), ("n_kv", i64), ("len", i64), ("head_dim", i64),
                 ("q_strides", i64 * 3), ("k_strides", i64 * 3), ("v_strides", i64 * 3), ("out_strides", i64 * 3),
-                ("scale", ctypes.c_float)]
+                ("scale", ctypes.c_float), ("bf16", i64)]
 
 
 def library(isa: str) -> ctypes.CDLL | None:
@@ -74,8 +76,8 @@ def takes(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, drop
     """Whether the kernel computes this SDPA call (else SDPA does)."""
     if attn_mask is not None or not is_causal or dropout_p != 0.0 or not q.dim() == k.dim() == v.dim() == 4:
         return False
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1 or t.requires_grad
-           for t in (q, k, v)):
+    if q.dtype not in DTYPES or any(t.dtype != q.dtype or t.device.type != "cpu" or t.stride(-1) != 1
+                                    or t.requires_grad for t in (q, k, v)):
         return False
     (B, H, T, D), (Bk, G, Tk, Dk) = q.shape, k.shape
     return (T > 0 and G > 0 and D > 0 and (Bk, Tk, Dk) == (B, T, D) and tuple(v.shape) == (B, G, T, D)
@@ -94,7 +96,8 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None
     view = out.transpose(1, 2)
     desc = _Attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, H, k.shape[1], T, D,
                       (i64 * 3)(*q.stride()[:3]), (i64 * 3)(*k.stride()[:3]), (i64 * 3)(*v.stride()[:3]),
-                      (i64 * 3)(*view.stride()[:3]), 1.0 / math.sqrt(D) if scale is None else scale)
+                      (i64 * 3)(*view.stride()[:3]), 1.0 / math.sqrt(D) if scale is None else scale,
+                      int(q.dtype == torch.bfloat16))
     return view if lib.seqlab_causal_attention(ctypes.byref(desc), torch.get_num_threads()) == 0 else None
 
 
@@ -143,11 +146,12 @@ class AttentionChoice:
 
 
 def time_attention(n_heads: int, n_kv: int, head_dim: int, length: int, isas: list[str],
-                   clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+                   dtype: torch.dtype = torch.float32, clock: Callable[[], float] = time.perf_counter
+                   ) -> dict[str, float]:
     """Seconds per causal attention of one ``length``-token prompt: ``"sdpa"`` and each kernel build (best of
     interleaved rounds after a warm-up), on random inputs laid out as the model lays them out."""
     g = torch.Generator().manual_seed(0)
-    qkv = torch.randn(1, length, n_heads + 2 * n_kv, head_dim, generator=g)
+    qkv = torch.randn(1, length, n_heads + 2 * n_kv, head_dim, generator=g).to(dtype)
     q, k, v = (t.transpose(1, 2) for t in qkv.split((n_heads, n_kv, n_kv), dim=2))
     k, v = k.contiguous(), v.contiguous()  # the cache's layout
     runs: dict[str, Callable[[], object]] = {
@@ -165,27 +169,31 @@ def time_attention(n_heads: int, n_kv: int, head_dim: int, length: int, isas: li
     return best
 
 
-def attention_key(n_heads: int, n_kv: int, head_dim: int, isas: list[str], lengths: list[int]) -> str:
-    """The shape, the builds, the lengths timed (they depend on the model's longest prompt) and the kernel's source."""
-    return (f"prefill-attention|{n_heads}x{n_kv}x{head_dim}|{'+'.join(isas)}|{'+'.join(map(str, lengths))}|"
-            f"{native.source_key([SOURCE, SIMD])}")
+def attention_key(n_heads: int, n_kv: int, head_dim: int, isas: list[str], lengths: list[int],
+                  dtype: torch.dtype = torch.float32) -> str:
+    """The shape and dtype, the builds, the lengths timed (they depend on the model's longest prompt) and the
+    kernel's source."""
+    return (f"prefill-attention|{n_heads}x{n_kv}x{head_dim}|{str(dtype).removeprefix('torch.')}|{'+'.join(isas)}|"
+            f"{'+'.join(map(str, lengths))}|{native.source_key([SOURCE, SIMD])}")
 
 
-def choose_attention(n_heads: int, n_kv: int, head_dim: int, max_len: int, use_cache: bool = True) -> AttentionChoice:
+def choose_attention(n_heads: int, n_kv: int, head_dim: int, max_len: int, use_cache: bool = True,
+                     dtype: torch.dtype = torch.float32) -> AttentionChoice:
     """Time SDPA against each kernel build at ``LENGTHS`` (up to ``max_len``), once per CPU signature and shape
     (cached). The fastest build takes prompts from the shortest length from which it beats SDPA by
     ``MIN_SPEEDUP`` at that and every longer timed length; longer prompts follow the longest one's verdict."""
-    isas = available_isas() if head_dim % HEAD_DIM_MULTIPLE == 0 else []
+    isas = available_isas() if head_dim % HEAD_DIM_MULTIPLE == 0 and dtype in DTYPES else []
     if not isas:
         return AttentionChoice(None, 0, {})
     lengths = [n for n in LENGTHS if n <= max_len]
     if not lengths:
         return AttentionChoice(None, 0, {})
-    key, sig = attention_key(n_heads, n_kv, head_dim, isas, lengths), current_signature()
+    key, sig = attention_key(n_heads, n_kv, head_dim, isas, lengths, dtype), current_signature()
     timings = dict(load_cache(sig).get(key, {})) if use_cache else {}
     if not timings:
         for n in lengths:
-            timings |= {f"{name}@{n}": s for name, s in time_attention(n_heads, n_kv, head_dim, n, isas).items()}
+            timings |= {f"{name}@{n}": s
+                        for name, s in time_attention(n_heads, n_kv, head_dim, n, isas, dtype).items()}
         if use_cache:
             timings = dict(store_cache(sig, {key: timings})[key])
     isa = min(isas, key=lambda i: timings[f"{i}@{lengths[-1]}"])
