@@ -1,9 +1,10 @@
-/* Causal self-attention of an fp32 prefill: out_i = softmax(q_i . k_j * scale, j <= i) . v_j, for every query i of a
+/* Causal self-attention of a prefill: out_i = softmax(q_i . k_j * scale, j <= i) . v_j, for every query i of a
  * fresh prompt (queries and keys start together). Each task is one head's block of BQ queries: it computes the
  * block's scores against keys 0..i in one register-tiled product, takes each row's softmax exactly (no online
  * rescaling: the whole score row fits the task's scratch), and multiplies by V with the 1/sum folded into the store.
  * Keys are first transposed once per kv head so the score tiles read them as rows. Tasks run largest first (the
- * causal blocks grow along the prompt) under a dynamic OpenMP schedule. */
+ * causal blocks grow along the prompt) under a dynamic OpenMP schedule. The math is fp32; bf16 inputs are widened
+ * once (K and V into the same scratch), and a bf16 output is rounded once, from fp32 partial sums. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

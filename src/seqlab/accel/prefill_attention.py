@@ -1,16 +1,16 @@
 """Causal self-attention for a long prefill in one C call (``prefill_attention.c``), where it times faster.
 
-Why: once a prefill's products run near the CPU's matmul peak, SDPA's CPU flash attention is the largest piece left
-(a fifth of a 512-token prefill of the 6-layer bench model under the AVX2 caps), and it runs well below that
-peak: its kernel works through small blocks with a running (online) softmax. A prompt of a few thousand tokens
-fits a whole score row per query in cache, so this kernel computes each block of 48 queries' scores in one
-register-tiled product, takes the exact softmax, and multiplies by V. Same arithmetic, another summation order
-and a polynomial ``exp`` (2 ulp): outputs agree with SDPA's to fp32 rounding (bf16 outputs: to one bf16 rounding).
+Why: once a prefill's products run near the CPU's matmul peak, SDPA's CPU flash attention is the largest piece
+left, and it runs well below that peak: it works through small blocks with a running (online) softmax. A prompt
+of a few thousand tokens fits a whole score row per query in cache, so this kernel computes each block of queries'
+scores in one register-tiled product, takes the exact softmax, and multiplies by V. Same arithmetic, another
+summation order and a polynomial ``exp`` (2 ulp): outputs agree with SDPA's to fp32 rounding (bf16 outputs: to
+one bf16 rounding; bf16 inputs are widened once and computed in fp32).
 
-It takes only what it was built for: fp32 or bf16 CPU tensors (bf16 ones widened once, computed in fp32, the
-output rounded once), no gradient, ``is_causal`` with as many queries as keys and
-no mask, no dropout, a head dimension the tiles divide. Anything else goes to SDPA unchanged. Whether it runs at
-all is decided by timing (:func:`choose_attention`), per CPU signature and attention shape.
+It takes only what it was built for (:func:`takes`): fp32 or bf16 CPU tensors, no gradient, ``is_causal`` with
+as many queries as keys and no mask, no dropout, a head dimension the tiles divide. Anything else goes to SDPA
+unchanged. Whether it runs at all is decided by timing (:func:`choose_attention`), per CPU signature, attention
+shape and dtype; docs/acceleration.md has the measurements.
 """
 from __future__ import annotations
 
