@@ -87,9 +87,12 @@ def test_the_mode_falls_back_to_sdpa_for_everything_else(monkeypatch):
         masked = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         short = F.scaled_dot_product_attention(q[:, :, :40], k[:, :, :40], v[:, :, :40], is_causal=True,
                                                enable_gqa=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # the bf16 route keeps SDPA, as it was timed
-            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    assert ran == [70]  # only the causal call of at least min_len queries
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # the bf16 route: bf16 queries, the fp32 cache's keys
+            under_autocast = F.scaled_dot_product_attention(q.bfloat16(), k, v, is_causal=True, enable_gqa=True)
+    assert ran == [70, 70]  # only the causal calls of at least min_len queries
+    assert under_autocast.dtype == torch.float32  # computed in fp32 from the widened queries
+    torch.testing.assert_close(under_autocast, F.scaled_dot_product_attention(
+        q.bfloat16().float(), k, v, is_causal=True, enable_gqa=True), atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(causal, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
                                atol=2e-6, rtol=1e-5)
     assert torch.equal(masked, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))

@@ -110,7 +110,7 @@ def prefill_key(model: nn.Module, allow_bf16: bool = True) -> str:
     routes = "onednn+bf16" if allow_bf16 else "onednn"
     # the attention a prefill runs (seqlab.accel.prefill_attention) and the head's route are part of what is timed
     attention = getattr(model, "prefill_attention", None)
-    extras = f"head|{attention.label if attention is not None else 'sdpa'}"
+    extras = f"head|{attention.label + ', fp32 under autocast' if attention is not None else 'sdpa'}"
     return f"prefill|{routes}|{extras}|{hashlib.sha1(repr(dims).encode()).hexdigest()[:16]}"
 
 

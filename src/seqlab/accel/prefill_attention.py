@@ -8,8 +8,8 @@ summation order and a polynomial ``exp`` (2 ulp): outputs agree with SDPA's to f
 one bf16 rounding; bf16 inputs are widened once and computed in fp32).
 
 It takes only what it was built for (:func:`takes`): fp32 or bf16 CPU tensors, no gradient, ``is_causal`` with
-as many queries as keys and no mask, no dropout, a head dimension the tiles divide. Anything else goes to SDPA
-unchanged. Whether it runs at all is decided by timing (:func:`choose_attention`), per CPU signature, attention
+as many queries as keys and no mask, no dropout, a head dimension the tiles divide. Under autocast (the bf16 prefill
+route) bf16 inputs are widened first, so that attention runs in fp32. Anything else goes to SDPA unchanged. Whether it runs at all is decided by timing (:func:`choose_attention`), per CPU signature, attention
 shape and dtype; docs/acceleration.md has the measurements.
 """
 from __future__ import annotations
@@ -120,8 +120,11 @@ class PrefillAttention(TorchFunctionMode):
                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                 enable_gqa: bool = False) -> Tensor | None:
         """SDPA's parameters, by its names; None: SDPA computes it (its own errors included)."""
-        if query.dim() != 4 or query.shape[2] < self.min_len or torch.is_autocast_enabled("cpu"):
-            return None  # (under autocast SDPA runs in bf16: the bf16 route was timed and judged that way)
+        if query.dim() != 4 or query.shape[2] < self.min_len:
+            return None
+        if torch.is_autocast_enabled("cpu"):  # the bf16 prefill route: its products ran in bf16, and the keys and
+            # values sit in the fp32 cache; the attention runs in fp32 (SDPA would round all three to bf16 first)
+            query, key, value = (t.float() if t.dtype == torch.bfloat16 else t for t in (query, key, value))
         if not takes(query, key, value, attn_mask, dropout_p, is_causal):
             return None
         if key.shape[1] != query.shape[1] and not enable_gqa:
