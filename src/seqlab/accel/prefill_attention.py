@@ -9,8 +9,9 @@ one bf16 rounding; bf16 inputs are widened once and computed in fp32).
 
 It takes only what it was built for (:func:`takes`): fp32 or bf16 CPU tensors, no gradient, ``is_causal`` with
 as many queries as keys and no mask, no dropout, a head dimension the tiles divide. Under autocast (the bf16 prefill
-route) bf16 inputs are widened first, so that attention runs in fp32. Anything else goes to SDPA unchanged. Whether it runs at all is decided by timing (:func:`choose_attention`), per CPU signature, attention
-shape and dtype; docs/acceleration.md has the measurements.
+route) bf16 inputs are widened first, so that attention runs in fp32. Anything else goes to SDPA unchanged.
+Whether it runs at all is decided by timing (:func:`choose_attention`), per CPU signature, attention shape and
+dtype; docs/acceleration.md has the measurements.
 """
 from __future__ import annotations
 
