@@ -141,10 +141,12 @@ int seqlab_causal_attention(const Attention *a, int nthreads) {
 #pragma omp for collapse(2) schedule(static)
         for (int64_t b = 0; b < B; b++)
             for (int64_t g = 0; g < G; g++) {
-                const int64_t k0 = b * a->k_strides[0] + g * a->k_strides[1], v0 = b * a->v_strides[0] + g * a->v_strides[1];
+                const int64_t k0 = b * a->k_strides[0] + g * a->k_strides[1];
+                const int64_t v0 = b * a->v_strides[0] + g * a->v_strides[1];
                 float *dst = kt + (b * G + g) * D * tpad;
                 for (int64_t j = 0; j < T; j++)
-                    for (int64_t d = 0; d < D; d++) dst[d * tpad + j] = element(a->k, k0 + j * a->k_strides[2] + d, bf16);
+                    for (int64_t d = 0; d < D; d++)
+                        dst[d * tpad + j] = element(a->k, k0 + j * a->k_strides[2] + d, bf16);
                 for (int64_t d = 0; d < D; d++)
                     for (int64_t j = T; j < tpad; j++) dst[d * tpad + j] = 0.0f;
                 if (bf16)
