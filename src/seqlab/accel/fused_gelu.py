@@ -9,7 +9,6 @@ and backward beats torch's, and :func:`~seqlab.accel.restore_plain` puts torch's
 from __future__ import annotations
 
 import ctypes
-import subprocess
 import time
 from pathlib import Path
 
@@ -24,24 +23,19 @@ from seqlab.runtime.cpu import current_signature
 
 SOURCE = Path(__file__).with_name("gelu.c")
 SIMD = Path(__file__).with_name("simd.h")
-_LIBS: dict[str, ctypes.CDLL | None] = {}
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_TIMED_ROWS = 4096  # tokens of the timed probe (a step's whole batch, up to this)
 
 
 def library(isa: str) -> ctypes.CDLL | None:
-    if isa not in _LIBS:
-        try:
-            dll = native.build_library("gelu", SOURCE, isa, includes=[SIMD])
-        except (RuntimeError, OSError, subprocess.SubprocessError):
-            dll = None
-        if dll is not None:
-            p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-            dll.seqlab_gelu_tanh_fwd.argtypes = [p, p, i64, i32, i32]
-            dll.seqlab_gelu_tanh_bwd.argtypes = [p, p, p, i64, i32, i32]
-            dll.seqlab_gelu_tanh_fwd.restype = dll.seqlab_gelu_tanh_bwd.restype = None
-        _LIBS[isa] = dll
-    return _LIBS[isa]
+    return native.optional_library("gelu", SOURCE, isa, [SIMD], _signatures)
+
+
+def _signatures(dll: ctypes.CDLL) -> None:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    dll.seqlab_gelu_tanh_fwd.argtypes = [p, p, i64, i32, i32]
+    dll.seqlab_gelu_tanh_bwd.argtypes = [p, p, p, i64, i32, i32]
+    dll.seqlab_gelu_tanh_fwd.restype = dll.seqlab_gelu_tanh_bwd.restype = None
 
 
 def _fits(x: Tensor) -> bool:

@@ -13,8 +13,6 @@ The token embeddings are looked up by the model itself, so any embedding (quanti
 from __future__ import annotations
 
 import ctypes
-import subprocess
-import warnings
 from pathlib import Path
 
 import torch
@@ -33,7 +31,6 @@ _KINDS = {torch.float32: 0, torch.bfloat16: 1}
 _Q4, _Q8 = 2, 3
 SIMD = Path(__file__).with_name("simd.h")
 SOURCES = [SOURCE, quant_kernels.SOURCE, SIMD]  # fused_step.c includes the int products' row bodies and simd.h
-_LIBS: dict[str, ctypes.CDLL | None] = {}
 i64, ptr = ctypes.c_int64, ctypes.c_void_p
 
 
@@ -55,23 +52,18 @@ class _Model(ctypes.Structure):
 
 def library(isa: str) -> ctypes.CDLL | None:
     """The fused-step library built for ``isa`` ("avx2" or "avx512"), or None where it cannot be built or run."""
-    if isa not in _LIBS:
-        try:
-            dll = native.build_library("fused_step", SOURCE, isa, includes=SOURCES[1:])
-        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-            if isa == "avx2":
-                warnings.warn(f"seqlab.accel: fused decode step unavailable ({e})", RuntimeWarning)
-            dll = None
-        if dll is not None:
-            dll.seqlab_fused_decode.argtypes = [ctypes.POINTER(_Model), i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr,
-                                                ptr, ptr, ctypes.c_int]
-            dll.seqlab_fused_decode.restype = None
-        _LIBS[isa] = dll
-    return _LIBS[isa]
+    return native.optional_library("fused_step", SOURCE, isa, SOURCES[1:], _signatures,
+                                   "seqlab.accel: fused decode step")
+
+
+def _signatures(dll: ctypes.CDLL) -> None:
+    dll.seqlab_fused_decode.argtypes = [ctypes.POINTER(_Model), i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, ptr,
+                                        ptr, ptr, ctypes.c_int]
+    dll.seqlab_fused_decode.restype = None
 
 
 def available_isas() -> list[str]:
-    return [isa for isa in ("avx2", "avx512") if native.isa_allowed(isa) is None and library(isa) is not None]
+    return native.runnable_isas(library)
 
 
 def unsupported(model: nn.Module) -> str | None:

@@ -18,9 +18,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
-import subprocess
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +39,6 @@ DTYPES = (torch.float32, torch.bfloat16)  # bf16 values are widened once and com
 LENGTHS = (64, 256, 1024)  # prompt lengths timed: the kernel takes prompts from the shortest length it wins from on
 MIN_SPEEDUP = 1.1  # only the rounding changes: a clear margin over timing noise suffices
 ROUNDS = 5
-_LIBS: dict[str, ctypes.CDLL | None] = {}
 i64 = ctypes.c_int64
 
 
@@ -54,22 +51,17 @@ class _Attention(ctypes.Structure):
 
 def library(isa: str) -> ctypes.CDLL | None:
     """The kernel built for ``isa`` ("avx2" or "avx512"), or None where it cannot be built or run here."""
-    if isa not in _LIBS:
-        try:
-            dll = native.build_library("prefill_attention", SOURCE, isa, includes=[SIMD])
-        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-            if isa == "avx2":
-                warnings.warn(f"seqlab.accel: prefill attention kernel unavailable ({e})", RuntimeWarning)
-            dll = None
-        if dll is not None:
-            dll.seqlab_causal_attention.argtypes = [ctypes.POINTER(_Attention), ctypes.c_int]
-            dll.seqlab_causal_attention.restype = ctypes.c_int
-        _LIBS[isa] = dll
-    return _LIBS[isa]
+    return native.optional_library("prefill_attention", SOURCE, isa, [SIMD], _signatures,
+                                   "seqlab.accel: prefill attention kernel")
+
+
+def _signatures(dll: ctypes.CDLL) -> None:
+    dll.seqlab_causal_attention.argtypes = [ctypes.POINTER(_Attention), ctypes.c_int]
+    dll.seqlab_causal_attention.restype = ctypes.c_int
 
 
 def available_isas() -> list[str]:
-    return [isa for isa in ("avx2", "avx512") if native.isa_allowed(isa) is None and library(isa) is not None]
+    return native.runnable_isas(library)
 
 
 def takes(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,

@@ -13,7 +13,8 @@ import hashlib
 import os
 import shutil
 import subprocess
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from seqlab.runtime.cpu import current_signature
@@ -79,3 +80,30 @@ def build_library(name: str, source: Path, isa: str = "avx2", includes: Sequence
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
     return ctypes.CDLL(str(lib))
+
+
+_OPTIONAL: dict[tuple[str, str], ctypes.CDLL | None] = {}
+
+
+def optional_library(name: str, source: Path, isa: str, includes: Sequence[Path] = (),
+                     signatures: Callable[[ctypes.CDLL], None] = lambda dll: None,
+                     feature: str | None = None) -> ctypes.CDLL | None:
+    """:func:`build_library` once per process, or None where it cannot be built or run here (the caller then runs
+    torch's ops). ``signatures`` sets a fresh library's argtypes; ``feature`` names it in a warning when the AVX2
+    build, the one every supported CPU runs, fails (a missing wider build is ordinary)."""
+    if (name, isa) not in _OPTIONAL:
+        try:
+            dll = build_library(name, source, isa, includes)
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            if feature is not None and isa == "avx2":
+                warnings.warn(f"{feature} unavailable ({e})", RuntimeWarning)
+            dll = None
+        if dll is not None:
+            signatures(dll)
+        _OPTIONAL[(name, isa)] = dll
+    return _OPTIONAL[(name, isa)]
+
+
+def runnable_isas(library: Callable[[str], object]) -> list[str]:
+    """The builds (``"avx2"``, ``"avx512"``) this CPU may run, under the ISA caps in force, that ``library`` has."""
+    return [isa for isa in ISA_FLAGS if isa_allowed(isa) is None and library(isa) is not None]
