@@ -76,19 +76,18 @@ def test_it_takes_only_the_calls_it_was_built_for():
 
 
 @needs_kernel
-def test_the_mode_falls_back_to_sdpa_for_everything_else(monkeypatch):
+def test_it_falls_back_to_sdpa_for_everything_else(monkeypatch):
     ran = []
     real = pa.causal_attention
     monkeypatch.setattr(pa, "causal_attention", lambda *a, **k: ran.append(a[0].shape[2]) or real(*a, **k))
     q, k, v = model_layout(1, 70, 4, 2, 32)
     mask = torch.rand(1, 1, 70, 70, generator=torch.Generator().manual_seed(1)) > 0.3
-    with pa.PrefillAttention(64, ISAS[0]):
-        causal = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        masked = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        short = F.scaled_dot_product_attention(q[:, :, :40], k[:, :, :40], v[:, :, :40], is_causal=True,
-                                               enable_gqa=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):  # the bf16 route: bf16 queries, the fp32 cache's keys
-            under_autocast = F.scaled_dot_product_attention(q.bfloat16(), k, v, is_causal=True, enable_gqa=True)
+    attend = pa.PrefillAttention(64, ISAS[0])
+    causal = attend(q, k, v, is_causal=True, enable_gqa=True)
+    masked = attend(q, k, v, attn_mask=mask, enable_gqa=True)
+    short = attend(q[:, :, :40], k[:, :, :40], v[:, :, :40], is_causal=True, enable_gqa=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the bf16 route: bf16 queries, the fp32 cache's keys
+        under_autocast = attend(q.bfloat16(), k, v, is_causal=True, enable_gqa=True)
     assert ran == [70, 70]  # only the causal calls of at least min_len queries
     assert under_autocast.dtype == torch.float32  # computed in fp32 from the widened queries
     torch.testing.assert_close(under_autocast, F.scaled_dot_product_attention(
@@ -130,6 +129,7 @@ def test_an_accelerated_prefill_runs_the_kernel_and_keeps_the_plain_logits_and_c
         torch.testing.assert_close(decode_step(model, tok, c1), decode_step(plain, tok, c2), atol=1e-5, rtol=1e-5)
     restore_plain(model)
     assert "prefill_attention" not in model.__dict__
+    assert all(m.attend is F.scaled_dot_product_attention for m in model.modules() if hasattr(m, "attend"))
 
 
 def test_a_kernel_slower_than_sdpa_is_not_chosen_and_the_verdict_is_cached(monkeypatch):
@@ -188,11 +188,11 @@ def test_the_kernel_stays_when_the_product_routes_lose_the_whole_pass(monkeypatc
 
 
 @needs_kernel
-def test_the_mode_takes_sdpa_keywords_and_leaves_what_it_cannot_take_to_sdpa():
+def test_it_takes_sdpa_keywords_and_leaves_what_it_cannot_take_to_sdpa():
     q, k, v = model_layout(1, 70, 4, 4, 32)
-    with pa.PrefillAttention(64, ISAS[0]):
-        by_name = F.scaled_dot_product_attention(query=q, key=k, value=v, is_causal=True)
-        flat = F.scaled_dot_product_attention(q, k[0], v[0], is_causal=True)  # 3-D keys: SDPA broadcasts them
+    attend = pa.PrefillAttention(64, ISAS[0])
+    by_name = attend(query=q, key=k, value=v, is_causal=True)
+    flat = attend(q, k[0], v[0], is_causal=True)  # 3-D keys: SDPA broadcasts them
     torch.testing.assert_close(by_name, F.scaled_dot_product_attention(q, k, v, is_causal=True), atol=2e-6, rtol=1e-5)
     assert torch.equal(flat, F.scaled_dot_product_attention(q, k[0], v[0], is_causal=True))
 

@@ -47,6 +47,7 @@ def test_a_cast_prefill_fills_the_fp32_cache_and_decoding_continues_in_fp32():
 def test_an_onednn_prefill_is_fp32_and_runs_its_products_on_onednn(monkeypatch):
     model, plain = tiny_model(), tiny_model()
     model.prefill_cast = PrefillCast(torch.float32, min_tokens=4)
+    accel_prefill.install(model)  # the layers' switch (choose_prefill_cast installs it)
     calls = []
 
     def counting(x, weight, bias=None):
@@ -100,11 +101,12 @@ def test_each_length_takes_its_winner_and_the_timings_are_cached(monkeypatch):
     assert cast == PrefillCast(torch.float32, 64, PrefillCast(torch.bfloat16, 256)) and timed == [64, 256]
     assert cast.label == "64+ tokens in fp32 on oneDNN, 256+ in bf16"
     with cast.context(63):
-        assert not torch.is_autocast_enabled("cpu") and not torch.overrides._is_torch_function_mode_enabled()
+        assert not torch.is_autocast_enabled("cpu") and not accel_prefill._ONEDNN.get()
     with cast.context(255):
-        assert not torch.is_autocast_enabled("cpu") and torch.overrides._is_torch_function_mode_enabled()
+        assert not torch.is_autocast_enabled("cpu") and accel_prefill._ONEDNN.get()
     with cast.context(256):
-        assert torch.is_autocast_enabled("cpu")
+        assert torch.is_autocast_enabled("cpu") and not accel_prefill._ONEDNN.get()
+    assert not accel_prefill._ONEDNN.get()
     assert prefill_key(long_context_model()) in calibrate.load_cache(current_signature())
     monkeypatch.setattr(accel_prefill, "time_prefills", lambda *a: pytest.fail("timed although cached"))
     assert choose_prefill_cast(long_context_model())[0] == cast
@@ -140,3 +142,33 @@ def test_accelerate_casts_to_bf16_only_under_auto(monkeypatch):
 def test_real_timings_on_this_machine():
     timings = accel_prefill.time_prefills(tiny_model(), 16, candidate_casts(allow_bf16=True))
     assert {"fp32", "onednn"} <= set(timings) and all(t > 0 for t in timings.values())
+
+
+def test_the_onednn_switch_lives_on_the_layers_and_goes_with_restore_plain(monkeypatch):
+    """The fp32 route switches each plain ``nn.Linear``'s forward, not a mode around the pass: the layers stay
+    ``nn.Linear`` with their Parameters and state dict; a bf16-only chain and restore_plain leave them plain."""
+    import copy
+
+    from torch import nn
+
+    from seqlab.accel import restore_plain
+
+    times = {"fp32": 1.0, "onednn": 0.5}
+    monkeypatch.setattr(accel_prefill, "time_prefills", lambda model, length, casts: {k: times[k] for k in casts})
+    model = long_context_model()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    cast, _ = choose_prefill_cast(model, allow_bf16=False)
+    assert cast == PrefillCast(torch.float32, 64)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is nn.Linear for m in linears)
+    assert all(isinstance(m.__dict__.get("forward"), accel_prefill.RoutedForward) for m in linears)
+    assert model.state_dict().keys() == weights.keys()
+    twin = copy.deepcopy(model)  # each copy's layers route their own weights
+    assert all(m.forward.linear is m for m in twin.modules() if isinstance(m, nn.Linear))
+    restore_plain(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    monkeypatch.setattr(accel_prefill, "native_bf16", lambda: True)
+    times["bf16"] = 0.1  # bf16 everywhere: no fp32 step on oneDNN, so no switch either
+    cast, _ = choose_prefill_cast(model, use_cache=False)
+    assert cast.dtype == torch.bfloat16 and cast.longer is None
+    assert not any("forward" in m.__dict__ for m in model.modules())

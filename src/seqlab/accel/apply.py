@@ -22,12 +22,18 @@ from seqlab.accel.calibrate import dtype_name, fastest, load_cache, shape_key, s
 from seqlab.accel.fused_gelu import choose_gelu
 from seqlab.accel.fused_gelu import install as install_gelu
 from seqlab.accel.fused_gelu import uninstall as uninstall_gelu
+from seqlab.accel.pointwise import choose_pointwise
+from seqlab.accel.pointwise import install as install_pointwise
+from seqlab.accel.pointwise import uninstall as uninstall_pointwise
 from seqlab.runtime.cpu import current_signature, native_bf16
 from seqlab.runtime.memory import move_to_huge_pages
 from seqlab.accel.packed_linear import PackedLinear
 from seqlab.accel.routes import USES, Route, Use, builtin_routes
 from seqlab.accel.prefill import choose_prefill_cast
+from seqlab.accel.prefill import uninstall as uninstall_routing
 from seqlab.accel.prefill_attention import choose_attention
+from seqlab.accel.prefill_attention import install as install_attention
+from seqlab.accel.prefill_attention import uninstall as uninstall_attention
 from seqlab.accel.step_check import choose_fused
 from seqlab.accel.train_linear import TrainLinear
 from seqlab.accel.verify import pass_key, time_pass
@@ -77,6 +83,10 @@ class AccelPlan:
     # ("sdpa@L", "avx2@L", ...), and what runs ("SDPA", or the kernel's build and the lengths it takes)
     attention_s: dict[str, float] = field(default_factory=dict)
     attention: str = ""
+    # RMSNorm, rotary and SwiGLU of many rows (seqlab.accel.pointwise): seconds per layer's worth ("torch@R",
+    # "avx2@R", ...), and what runs
+    pointwise_s: dict[str, float] = field(default_factory=dict)
+    pointwise: str = ""
     huge_page_bytes: int = 0  # weights moved onto 2 MiB pages (seqlab.runtime.memory.move_to_huge_pages)
     # training: the MLP activation (seqlab.accel.fused_gelu), seconds per forward + backward of each candidate
     act_s: dict[str, float] = field(default_factory=dict)
@@ -106,6 +116,9 @@ class AccelPlan:
         if self.attention_s:
             times = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.attention_s.items())
             lines.append(f"  prefill attention (one prompt, all heads): {times}; {self.attention}")
+        if self.pointwise_s:
+            times = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in self.pointwise_s.items())
+            lines.append(f"  RMSNorm + rotary + SwiGLU (one layer): {times}; {self.pointwise or 'torch'}")
         if self.prefill_s:
             times = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.prefill_s.items())
             verdict = (f"prompts of {self.prefill_route}" if self.prefill_from
@@ -193,6 +206,9 @@ def restore_plain(model: nn.Module) -> nn.Module:
     prefill routes, fused step and plan removed."""
     _restore_plain_layers(model)
     uninstall_gelu(model)
+    uninstall_pointwise(model)
+    uninstall_attention(model)
+    uninstall_routing(model)
     for attr in ("accel_plan", "fused_decode", "prefill_cast", "prefill_attention"):
         if attr in model.__dict__:
             delattr(model, attr)
@@ -249,7 +265,13 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
         attention = choose_attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.max_seq_len, use_cache, compute)
         plan.attention_s, plan.attention = attention.timings_s, attention.label
         if attention.isa is not None:
+            install_attention(model, attention)
             model.prefill_attention = attention
+    if for_ == "decode" and compute == torch.float32 and cfg.arch == "decoder":  # before the prefill's routes are
+        kernels, plan.pointwise_s = choose_pointwise(model, use_cache)          # timed, as the prefill will run
+        if kernels is not None:
+            install_pointwise(model, kernels)
+            plan.pointwise = f"{kernels.min_rows}+ rows on seqlab's kernels ({kernels.isa})"
     if for_ == "decode" and compute == torch.float32:
         # bf16 products only under "auto"; oneDNN's fp32 always (timed with the attention just chosen)
         cast, plan.prefill_s = choose_prefill_cast(model, use_cache=use_cache, allow_bf16=dtype == "auto")

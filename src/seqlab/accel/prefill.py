@@ -6,8 +6,9 @@ than fp32 (about 3.5x on two cores); on an AMD EPYC, MKL's fp32 products run at 
 shapes (1.9-2.4x measured at 64-512 rows), while under the AVX2 caps the two tie. The decode steps after the
 prefill keep their own route, and the weights stay fp32 (no second copy):
 
-- ``fp32`` on oneDNN (``OneDNNProducts``): the same products, another summation order, so the logits agree with
-  MKL's to fp32 rounding. Taken under ``--dtype fp32`` too, wherever it measures faster.
+- ``fp32`` on oneDNN (:func:`onednn_products`, through each layer's :class:`RoutedForward`): the same products,
+  another summation order, so the logits agree with MKL's to fp32 rounding. Taken under ``--dtype fp32`` too,
+  wherever it measures faster.
 - ``bf16`` (``torch.autocast``: products in bf16, norms and the residual stream in fp32; the fp32 cache takes its
   keys and values). It changes the numbers (bf16 keeps about 3 significant digits), which is why only ``"auto"``
   takes it, only where native, and only where it beats the best fp32 route by ``MIN_SPEEDUP``;
@@ -20,6 +21,7 @@ winner takes the prompts from that length on, so the route may change with the l
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import time
 from collections.abc import Callable
@@ -28,9 +30,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from seqlab.accel.calibrate import load_cache, store_cache
+from seqlab.accel.pointwise import installed as installed_pointwise
 from seqlab.accel.train_linear import onednn_linear, plain_fp32_product, train_route_available
 from seqlab.generate.engine import prefill
 from seqlab.runtime.cpu import current_signature, native_bf16
@@ -41,22 +43,53 @@ ONEDNN_MIN_SPEEDUP = 1.1  # fp32 on oneDNN changes only the rounding: a clear ma
 ROUNDS = 2  # best of 2 after a warm-up: SmolLM2's three routes at both lengths take about 5 s once per CPU
 
 
-class OneDNNProducts(TorchFunctionMode):
-    """Within it, inference ``F.linear`` on plain fp32 CPU tensors runs on oneDNN instead of MKL."""
+_ONEDNN: contextvars.ContextVar[bool] = contextvars.ContextVar("seqlab_prefill_onednn", default=False)
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear:
-            x, weight = args[0], args[1]
-            bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            if _onednn_inference_product(x, weight, bias):
-                return onednn_linear(x, weight, bias)
-        return func(*args, **kwargs)
+
+@contextlib.contextmanager
+def onednn_products():
+    """Within it (this thread or task only), inference products of the model's ``nn.Linear`` layers that
+    :func:`install` routed run on oneDNN instead of MKL."""
+    token = _ONEDNN.set(True)
+    try:
+        yield
+    finally:
+        _ONEDNN.reset(token)
+
+
+class RoutedForward:
+    """An ``nn.Linear``'s forward: ``F.linear``, or oneDNN's product within :func:`onednn_products`.
+
+    Put on the layer as its ``forward`` (the layer stays an ``nn.Linear`` with the same Parameters, which the
+    fused decode step reads) rather than switched by a TorchFunctionMode around the pass: a mode costs a Python
+    call on every op and every tensor attribute read of the prefill, about 2 ms of a 512-token one here."""
+
+    def __init__(self, linear: nn.Linear):
+        self.linear = linear
+
+    def __call__(self, x: Tensor) -> Tensor:
+        m = self.linear
+        if not torch.compiler.is_compiling() and _ONEDNN.get() and _onednn_inference_product(x, m.weight, m.bias):
+            return onednn_linear(x, m.weight, m.bias)
+        return F.linear(x, m.weight, m.bias)
 
 
 def _onednn_inference_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     return not needs_grad and plain_fp32_product(x, weight, bias)
+
+
+def install(model: nn.Module) -> None:
+    """Route every plain ``nn.Linear`` of ``model`` through :class:`RoutedForward`."""
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.forward = RoutedForward(m)
+
+
+def uninstall(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m.__dict__.get("forward"), RoutedForward):
+            del m.forward
 
 
 @dataclass(frozen=True)
@@ -74,7 +107,7 @@ class PrefillCast:
         if n_tokens < self.min_tokens:
             return contextlib.nullcontext()
         if self.dtype == torch.float32:
-            return OneDNNProducts()
+            return onednn_products()
         return torch.autocast("cpu", dtype=self.dtype)
 
     def head_context(self, n_tokens: int) -> contextlib.AbstractContextManager:
@@ -86,7 +119,7 @@ class PrefillCast:
             return self.longer.head_context(n_tokens)
         if n_tokens < self.min_tokens or self.dtype != torch.float32:
             return contextlib.nullcontext()
-        return OneDNNProducts()
+        return onednn_products()
 
     @property
     def route(self) -> str:
@@ -111,6 +144,9 @@ def prefill_key(model: nn.Module, allow_bf16: bool = True) -> str:
     # the attention a prefill runs (seqlab.accel.prefill_attention) and the head's route are part of what is timed
     attention = getattr(model, "prefill_attention", None)
     extras = f"head|{attention.label + ', fp32 under autocast' if attention is not None else 'sdpa'}"
+    kernels = installed_pointwise(model)  # and the norms, rotary and SwiGLU (seqlab.accel.pointwise)
+    if kernels is not None:
+        extras += f"|pointwise {kernels.isa} from {kernels.min_rows}"
     return f"prefill|{routes}|{extras}|{hashlib.sha1(repr(dims).encode()).hexdigest()[:16]}"
 
 
@@ -180,6 +216,7 @@ def choose_prefill_cast(model: nn.Module, use_cache: bool = True, allow_bf16: bo
     casts = candidate_casts(allow_bf16)
     if len(casts) < 2 or not params or params[0].dtype != torch.float32 or params[0].device.type != "cpu":
         return None, {}
+    install(model)  # the layers' oneDNN switch, before anything is timed
     key, sig = prefill_key(model, allow_bf16), current_signature()
     timings = dict(load_cache(sig).get(key, {})) if use_cache else {}
     if not timings:
@@ -197,4 +234,6 @@ def choose_prefill_cast(model: nn.Module, use_cache: bool = True, allow_bf16: bo
     chained = None
     for cast in reversed(steps):
         chained = PrefillCast(cast.dtype, cast.min_tokens, chained)
+    if all(cast.dtype != torch.float32 for cast in steps):
+        uninstall(model)  # no fp32 step on oneDNN: the layers stay plain
     return chained, timings

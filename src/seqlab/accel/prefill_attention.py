@@ -10,12 +10,12 @@ one bf16 rounding; bf16 inputs are widened once and computed in fp32).
 It takes only what it was built for (:func:`takes`): fp32 or bf16 CPU tensors, no gradient, ``is_causal`` with
 as many queries as keys and no mask, no dropout, a head dimension the tiles divide. Under autocast (the bf16 prefill
 route) bf16 inputs are widened first, so that attention runs in fp32. Anything else goes to SDPA unchanged.
+:func:`install` puts it into the model's self-attention layers (``attend``, SDPA by default).
 Whether it runs at all is decided by timing (:func:`choose_attention`), per CPU signature, attention shape and
 dtype; docs/acceleration.md has the measurements.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import math
 import time
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-from torch.overrides import TorchFunctionMode
+from torch import Tensor, nn
 
 from seqlab.accel.calibrate import load_cache, store_cache
+from seqlab.model.attention import SelfAttention
 from seqlab.runtime import native
 from seqlab.runtime.cpu import current_signature
 
@@ -94,26 +94,27 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None
     return view if lib.seqlab_causal_attention(ctypes.byref(desc), torch.get_num_threads()) == 0 else None
 
 
-class PrefillAttention(TorchFunctionMode):
-    """Within it, SDPA calls the kernel :func:`takes` of at least ``min_len`` queries run on the ``isa`` build."""
+class PrefillAttention:
+    """SDPA's signature; the calls the kernel :func:`takes` of at least ``min_len`` queries run on the ``isa``
+    build, the rest on SDPA. :func:`install` puts it where the model's self-attention calls SDPA (a callable
+    there, not a mode around the pass: a TorchFunctionMode costs a Python call on every op of the prefill)."""
 
     def __init__(self, min_len: int, isa: str):
-        super().__init__()
         self.min_len, self.isa = min_len, isa
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            out = self._attend(*args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
+    def __call__(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                 enable_gqa: bool = False) -> Tensor:
+        out = self._attend(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        if out is not None:
+            return out
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
-    def _attend(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
-                dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
-                enable_gqa: bool = False) -> Tensor | None:
-        """SDPA's parameters, by its names; None: SDPA computes it (its own errors included)."""
-        if query.dim() != 4 or query.shape[2] < self.min_len:
+    def _attend(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                is_causal: bool, scale: float | None, enable_gqa: bool) -> Tensor | None:
+        """None: SDPA computes it (its own errors included)."""
+        if query.dim() != 4 or query.shape[2] < self.min_len or torch.compiler.is_compiling():
             return None
         if torch.is_autocast_enabled("cpu"):  # the bf16 prefill route: its products ran in bf16, and the keys and
             # values sit in the fp32 cache; the attention runs in fp32 (SDPA would round all three to bf16 first)
@@ -133,12 +134,25 @@ class AttentionChoice:
     min_len: int
     timings_s: dict[str, float]
 
-    def mode(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if self.isa is None else PrefillAttention(self.min_len, self.isa)
-
     @property
     def label(self) -> str:
         return f"{self.min_len}+ tokens on seqlab's kernel ({self.isa})" if self.isa else "SDPA"
+
+
+def install(model: nn.Module, choice: AttentionChoice) -> None:
+    """Put the chosen kernel into every self-attention of ``model`` (nothing where SDPA was chosen)."""
+    if choice.isa is None:
+        return
+    kernel = PrefillAttention(choice.min_len, choice.isa)
+    for m in model.modules():
+        if isinstance(m, SelfAttention):
+            m.attend = kernel
+
+
+def uninstall(model: nn.Module) -> None:
+    for m in model.modules():
+        if isinstance(m, SelfAttention):
+            m.attend = F.scaled_dot_product_attention
 
 
 def time_attention(n_heads: int, n_kv: int, head_dim: int, length: int, isas: list[str],

@@ -45,14 +45,8 @@ def prefill(model, input_ids: Tensor, cache, attention_mask: Tensor | None = Non
     if last_index is None and not is_encoder_decoder(model):
         last_index = torch.full((input_ids.shape[0],), input_ids.shape[1] - 1, dtype=torch.long,
                                 device=input_ids.device)
-    # installed from outside (seqlab.accel): a faster route for a long prompt's products, and a causal attention
-    cast = getattr(model, "prefill_cast", None)
-    attention = getattr(model, "prefill_attention", None)
-    with contextlib.ExitStack() as routes:
-        if cast is not None:
-            routes.enter_context(cast.context(input_ids.numel()))
-        if attention is not None:
-            routes.enter_context(attention.mode())
+    cast = getattr(model, "prefill_cast", None)  # installed from outside (seqlab.accel): a long prompt's products
+    with cast.context(input_ids.numel()) if cast is not None else contextlib.nullcontext():
         if is_encoder_decoder(model):
             memory = model.encode(input_ids, attention_mask)
             if decoder_input_ids is None:

@@ -58,6 +58,8 @@ class SelfAttention(nn.Module):
         # Qwen3: each query/key head is RMS-normalised (over head_dim) before the rotation
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.rotate = apply_rotary  # (x, cos, sin) -> Tensor; seqlab.accel may put a one-pass kernel here
+        self.attend = F.scaled_dot_product_attention  # seqlab.accel may put a causal prefill kernel here
         self.attn_dropout = cfg.attn_dropout
         self.dropout = nn.Dropout(cfg.dropout)
 
@@ -71,14 +73,14 @@ class SelfAttention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])), dim=2)
         if inputs.rope is not None:  # one rotation for queries and keys together
-            qk = apply_rotary(qk, *inputs.rope)
+            qk = self.rotate(qk, *inputs.rope)
         q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
         v = v.view(B, T, Hkv, D).transpose(1, 2)
         if inputs.cache is not None:
             k, v = inputs.cache.update(layer, k, v)
         if queries is not None:
             q, T = pick_rows(q, queries, dim=2), 1
-        y = F.scaled_dot_product_attention(
+        y = self.attend(
             q, k, v,
             attn_mask=inputs.mask,
             is_causal=inputs.is_causal,

@@ -18,14 +18,20 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.normalize = rms_norm  # (x, weight, eps) -> Tensor; seqlab.accel may put a one-pass kernel here
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # mean(x^2) as |x|^2 / d: on CPU, F.rms_norm is a chain of small ops (pow, mean, two dtype copies...),
-            # and a decode step calls the norm twice per layer on one row, where per-op overhead is the cost
-            ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square().mul_(1.0 / x.shape[-1])
-            return x * torch.rsqrt(ms.add_(self.eps)) * self.weight
-        return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        return self.normalize(x, self.weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight over the last dimension, in fp32 for bf16 inputs."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # mean(x^2) as |x|^2 / d: on CPU, F.rms_norm is a chain of small ops (pow, mean, two dtype copies...),
+        # and a decode step calls the norm twice per layer on one row, where per-op overhead is the cost
+        ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square().mul_(1.0 / x.shape[-1])
+        return x * torch.rsqrt(ms.add_(eps)) * weight
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
 
 
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
@@ -55,16 +61,19 @@ class MLP(nn.Module):
         self.up = nn.Linear(cfg.d_model, (2 if self.gated else 1) * cfg.d_ff, bias=cfg.bias)
         self.down = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
         self.act = activation_fn(cfg.activation)
+        self.gate = gated_activation  # (act, h, d_ff) -> Tensor; seqlab.accel may put a one-pass kernel here
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.up(x)
-        if self.gated:
-            gate, up = h.split(self.d_ff, dim=-1)
-            h = self.act(gate) * up
-        else:
-            h = self.act(h)
+        h = self.gate(self.act, h, self.d_ff) if self.gated else self.act(h)
         return self.dropout(self.down(h))
+
+
+def gated_activation(act, h: Tensor, d_ff: int) -> Tensor:
+    """act(gate) * up, for ``h`` = [gate | up] along the last dimension (``d_ff`` each): SwiGLU with SiLU."""
+    gate, up = h.split(d_ff, dim=-1)
+    return act(gate) * up
 
 
 class Rotary(nn.Module):
