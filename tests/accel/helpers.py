@@ -5,6 +5,7 @@ import time
 import torch
 
 from seqlab.config import ModelConfig
+from seqlab.generate.engine import decode_step
 from seqlab.accel.routes import PackedRoute
 from seqlab.model import build_model
 
@@ -54,3 +55,15 @@ def assert_same_greedy_tokens(reference_model, prompt_len: int, expected: torch.
         close = (gaps[row] < margin).nonzero()
         stop = prompt_len + (int(close[0]) if len(close) else gaps.shape[1])
         assert torch.equal(got[row, :stop], expected[row, :stop]), (row, stop, got[row], expected[row])
+
+
+def assert_same_prefill_and_next_step(model, plain, got, want, cache, plain_cache, atol: float = 1e-5) -> None:
+    """An accelerated prefill (``got``, ``cache``) against the plain model's: the logits, every layer's keys and
+    values, and the greedy decode step after it agree to ``atol`` (fp32: only the summation order differs)."""
+    torch.testing.assert_close(got, want, atol=atol, rtol=atol)
+    for layer in range(len(cache.k)):
+        torch.testing.assert_close(cache.k[layer], plain_cache.k[layer], atol=atol, rtol=atol)
+        torch.testing.assert_close(cache.v[layer], plain_cache.v[layer], atol=atol, rtol=atol)
+    tok = got.argmax(-1)
+    torch.testing.assert_close(decode_step(model, tok, cache), decode_step(plain, tok, plain_cache), atol=atol,
+                               rtol=atol)

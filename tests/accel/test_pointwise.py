@@ -7,9 +7,11 @@ import torch.nn.functional as F
 from seqlab.accel import accelerate, restore_plain
 from seqlab.accel import pointwise as pw
 from seqlab.config import ModelConfig
-from seqlab.generate.engine import decode_step, prefill
+from seqlab.generate.engine import prefill
 from seqlab.model import build_model
 from seqlab.model.layers import apply_rotary, gated_activation, rms_norm
+
+from .helpers import assert_same_prefill_and_next_step
 
 ISAS = pw.available_isas()
 needs_kernels = pytest.mark.skipif(not ISAS, reason="no C compiler: the kernels cannot be built here")
@@ -88,6 +90,34 @@ def test_everything_else_goes_to_the_models_functions(monkeypatch):
     assert torch.equal(k.gate(F.silu, h[:, :3], 64), gated_activation(F.silu, h[:, :3], 64))  # below min_rows
 
 
+@needs_kernels
+def test_outputs_are_on_the_inputs_device_whatever_the_default_device():
+    k = pw.Kernels(ISAS[0], 1)
+    x, w, h = torch.randn(1, 8, 64), torch.rand(64) + 0.5, torch.randn(1, 8, 64)
+    cos, sin = rope(1, 8, 16)
+    qk = torch.randn(1, 8, 4, 16)
+    with torch.device("meta"):
+        outs = k.rms_norm(x, w, 1e-5), k.rotate(qk, cos, sin), k.gate(F.silu, h, 32)
+    assert all(o.device.type == "cpu" for o in outs)
+    torch.testing.assert_close(outs[0], rms_norm(x, w, 1e-5), atol=1e-6, rtol=2e-6)
+    assert torch.equal(outs[1], apply_rotary(qk, cos, sin))
+
+
+def test_tensor_subclasses_go_to_the_models_functions(monkeypatch):
+    """A subclass (a fake, distributed or wrapped tensor) may not own the memory its data_ptr names."""
+    class Marked(torch.Tensor):
+        pass
+
+    monkeypatch.setattr(pw, "library", lambda isa: pytest.fail("a kernel was called"))
+    k = pw.Kernels("avx2", 1)
+    x, w = torch.randn(1, 8, 64).as_subclass(Marked), torch.rand(64) + 0.5
+    assert isinstance(k.rms_norm(x, w, 1e-5), Marked)
+    k.rms_norm(torch.randn(1, 8, 64), w.as_subclass(Marked), 1e-5)
+    k.gate(F.silu, torch.randn(1, 8, 64).as_subclass(Marked), 32)
+    cos, sin = rope(1, 8, 16)
+    k.rotate(torch.randn(1, 8, 4, 16).as_subclass(Marked), cos, sin)
+
+
 def tiny_model():
     torch.manual_seed(0)
     return build_model(ModelConfig(vocab_size=97, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96,
@@ -109,12 +139,7 @@ def test_an_accelerated_model_runs_the_kernels_and_keeps_the_plain_logits_and_ca
         c1, c2 = model.new_cache(2, 50), plain.new_cache(2, 50)
         got, want = prefill(model, ids, c1), prefill(plain, ids, c2)
         assert len(calls) >= 2 * 4  # per layer two norms, a rotary and a SwiGLU (the last layer's on one row)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        for layer in range(2):
-            torch.testing.assert_close(c1.k[layer], c2.k[layer], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(c1.v[layer], c2.v[layer], atol=1e-5, rtol=1e-5)
-        tok = got.argmax(-1)
-        torch.testing.assert_close(decode_step(model, tok, c1), decode_step(plain, tok, c2), atol=1e-5, rtol=1e-5)
+        assert_same_prefill_and_next_step(model, plain, got, want, c1, c2)
     restore_plain(model)
     assert pw.installed(model) is None
     assert all(getattr(m, "rotate", apply_rotary) is apply_rotary for m in model.modules())

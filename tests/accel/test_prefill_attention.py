@@ -10,12 +10,12 @@ from torch import nn
 from seqlab.accel import accelerate, calibrate, restore_plain
 from seqlab.accel import prefill_attention as pa
 from seqlab.config import ModelConfig
-from seqlab.generate.engine import decode_step, prefill
+from seqlab.generate.engine import prefill
 from seqlab.accel.routes import Use
 from seqlab.model import build_model
 from seqlab.runtime.cpu import current_signature
 
-from .helpers import SleepyPacked
+from .helpers import SleepyPacked, assert_same_prefill_and_next_step
 
 ISAS = pa.available_isas()
 needs_kernel = pytest.mark.skipif(not ISAS, reason="no C compiler: the kernel cannot be built here")
@@ -121,12 +121,7 @@ def test_an_accelerated_prefill_runs_the_kernel_and_keeps_the_plain_logits_and_c
         c1, c2 = model.new_cache(1, 90), plain.new_cache(1, 90)
         got, want = prefill(model, ids, c1), prefill(plain, ids, c2)
         assert ran == [80]  # the first layer; the last one attends from the last position only (SDPA)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        for layer in range(2):
-            torch.testing.assert_close(c1.k[layer], c2.k[layer], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(c1.v[layer], c2.v[layer], atol=1e-5, rtol=1e-5)
-        tok = got.argmax(-1)
-        torch.testing.assert_close(decode_step(model, tok, c1), decode_step(plain, tok, c2), atol=1e-5, rtol=1e-5)
+        assert_same_prefill_and_next_step(model, plain, got, want, c1, c2)
     restore_plain(model)
     assert "prefill_attention" not in model.__dict__
     assert all(m.attend is F.scaled_dot_product_attention for m in model.modules() if hasattr(m, "attend"))
@@ -171,20 +166,40 @@ class Trap(SleepyPacked):
     sleep_s = 0.005
 
 
-@needs_kernel
-def test_the_kernel_stays_when_the_product_routes_lose_the_whole_pass(monkeypatch):
-    monkeypatch.setattr(pa, "time_attention", lambda h, g, d, n, isas, clock=None: {"sdpa": 1.0} | {
-        i: 0.5 for i in isas})
-    model = kernel_model()
+def accelerate_into_the_trap(model):
+    """Accelerate ``model`` for decoding, its per-product routes all Trap's: chosen per shape, dropped whole."""
     use = Use("decode", 1, torch.float32)
     shapes = Counter((m.in_features, m.out_features, m.bias is not None) for m in model.modules()
                      if type(m) is nn.Linear)
     calibrate.store_cache(current_signature(), {calibrate.shape_key(use, *s): {"dense": 1.0, "trap": 0.1}
                                                 for s in shapes})
-    accelerate(model, "decode", rows=1, dtype="fp32", routes=[Trap()], fused=False)
+    return accelerate(model, "decode", rows=1, dtype="fp32", routes=[Trap()], fused=False)
+
+
+@needs_kernel
+def test_the_kernel_stays_when_the_product_routes_lose_the_whole_pass(monkeypatch):
+    monkeypatch.setattr(pa, "time_attention", lambda h, g, d, n, isas, clock=None: {"sdpa": 1.0} | {
+        i: 0.5 for i in isas})
+    model = accelerate_into_the_trap(kernel_model())
     assert not model.accel_plan.kept  # the layers went back to plain ...
     assert "prefill_attention" in model.__dict__  # ... the attention, chosen by its own timing, stayed
     assert "64+ tokens on seqlab's kernel" in model.accel_plan.summary()
+
+
+def test_the_prefill_product_route_survives_the_layer_conversion_and_its_undoing(monkeypatch):
+    """The oneDNN switch sits on plain layers: it comes off while the per-product routes are timed and converted
+    (a routed layer refers to itself, so a replaced one would outlive its replacement) and goes back on the layers
+    that are plain at the end, here all of them, after the whole-pass check dropped the routes."""
+    from seqlab.accel import prefill as accel_prefill
+
+    times = {"fp32": 1.0, "onednn": 0.5, "bf16": 0.9}  # oneDNN's fp32 wins the prefill
+    monkeypatch.setattr(accel_prefill, "time_prefills", lambda model, length, casts: {k: times[k] for k in casts})
+    model = accelerate_into_the_trap(kernel_model())
+    assert not model.accel_plan.kept and model.prefill_cast.dtype == torch.float32
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(isinstance(m.__dict__.get("forward"), accel_prefill.RoutedForward) for m in linears)
+    restore_plain(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
 
 
 @needs_kernel

@@ -29,7 +29,8 @@ from seqlab.runtime.cpu import current_signature, native_bf16
 from seqlab.runtime.memory import move_to_huge_pages
 from seqlab.accel.packed_linear import PackedLinear
 from seqlab.accel.routes import USES, Route, Use, builtin_routes
-from seqlab.accel.prefill import choose_prefill_cast
+from seqlab.accel.prefill import RoutedForward, choose_prefill_cast
+from seqlab.accel.prefill import install as install_routing
 from seqlab.accel.prefill import uninstall as uninstall_routing
 from seqlab.accel.prefill_attention import choose_attention
 from seqlab.accel.prefill_attention import install as install_attention
@@ -208,11 +209,19 @@ def restore_plain(model: nn.Module) -> nn.Module:
     uninstall_gelu(model)
     uninstall_pointwise(model)
     uninstall_attention(model)
-    uninstall_routing(model)
+    _uninstall_routing(model)
     for attr in ("accel_plan", "fused_decode", "prefill_cast", "prefill_attention"):
         if attr in model.__dict__:
             delattr(model, attr)
     return model
+
+
+def _uninstall_routing(model: nn.Module) -> bool:
+    """Take the prefill's oneDNN switch off every layer; whether any had it. A routed layer refers to itself (its
+    ``forward`` holds it), so a replaced one would wait for the garbage collector instead of going at once."""
+    routed = any(isinstance(m.__dict__.get("forward"), RoutedForward) for m in model.modules())
+    uninstall_routing(model)
+    return routed
 
 
 def _restore_plain_layers(model: nn.Module) -> None:
@@ -283,6 +292,7 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
             model.fused_decode, plan.fused = step, step.isa
             model.accel_plan = plan
             return model
+    routed = _uninstall_routing(model)  # off the layers while they are timed and converted (see below)
     by_name = {r.name: r for r in _all_routes(routes)}
     use = Use(for_, plan.rows, compute if for_ != "train" else torch.float32)
     # (name, route, shape): names, not modules, so that no list keeps a replaced dense layer alive
@@ -310,6 +320,8 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
     if checked and fastest(plan.pass_s) == "dense":
         _restore_plain_layers(model)  # the layers only: the prefill's routes were chosen by their own timings
         plan.kept = False
+    if routed:  # the prefill's oneDNN switch, back on the layers that stayed (or came back) plain
+        install_routing(model)
     if for_ == "train":  # the MLP activation too, where a fused one measures faster (same Parameters, same math)
         act, plan.act_s = choose_gelu(model, plan.rows, compute, use_cache=use_cache)
         if act is not None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from seqlab.runtime.cpu import CpuSignature
+from seqlab.runtime.cpu import CpuSignature, current_signature
 from seqlab.accel.routes import Route, Use
 from seqlab.runtime import atomic_write_json
 
@@ -172,3 +172,30 @@ def fastest(timings: dict[str, float], plain: str = "dense") -> str:
         return min(timings, key=timings.__getitem__)
     best = min(timings, key=timings.__getitem__)
     return best if timings[best] < (1.0 - MIN_GAIN) * timings[plain] else plain
+
+
+def timings_by_size(key: str, sizes: Sequence[int], time_at: Callable[[int], dict[str, float]],
+                    use_cache: bool = True) -> dict[str, float]:
+    """``{"<candidate>@<size>": seconds}`` for every size, from ``time_at(size)`` (candidate -> seconds) or from the
+    cache entry ``key`` of this CPU signature, where an earlier process stored it."""
+    sig = current_signature()
+    timings = dict(load_cache(sig).get(key, {})) if use_cache else {}
+    if not timings:
+        for n in sizes:
+            timings |= {f"{name}@{n}": s for name, s in time_at(n).items()}
+        if use_cache:
+            timings = dict(store_cache(sig, {key: timings})[key])
+    return timings
+
+
+def winning_from(timings: dict[str, float], builds: Sequence[str], sizes: Sequence[int], plain: str,
+                 min_speedup: float) -> tuple[str, int | None]:
+    """The build fastest at the largest size, and the smallest size from which it beats ``plain`` by
+    ``min_speedup`` at that and every larger size (None: not even at the largest)."""
+    build = min(builds, key=lambda b: timings[f"{b}@{sizes[-1]}"])
+    smallest = None
+    for n in reversed(sizes):
+        if timings[f"{build}@{n}"] * min_speedup > timings[f"{plain}@{n}"]:
+            break
+        smallest = n
+    return build, smallest

@@ -25,17 +25,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqlab.accel.calibrate import load_cache, store_cache
+from seqlab.accel.calibrate import timings_by_size, winning_from
 from seqlab.model.attention import SelfAttention
 from seqlab.model.layers import MLP, RMSNorm, apply_rotary, gated_activation, rms_norm
 from seqlab.runtime import native
-from seqlab.runtime.cpu import current_signature
 
 SOURCE = Path(__file__).with_name("pointwise.c")
 SIMD = Path(__file__).with_name("simd.h")
 ROWS = (1, 16, 64, 256)  # rows timed: the kernels take calls from the fewest rows they win from on
 MIN_SPEEDUP = 1.1  # only the rounding changes (rotary: not even that): a clear margin over timing noise suffices
 ROUNDS = 5
+_PLAIN = (Tensor, nn.Parameter)  # not subclasses (fake, distributed or wrapped tensors): their data is not theirs
 
 
 def library(isa: str) -> ctypes.CDLL | None:
@@ -56,10 +56,16 @@ def available_isas() -> list[str]:
     return native.runnable_isas(library)
 
 
+def sources() -> list[Path]:
+    """The files the kernels are built from (their hash is part of every timing kept for them)."""
+    return [SOURCE, SIMD]
+
+
 def _rows(x: Tensor, min_rows: int) -> Tensor | None:
     """``x`` as a [rows, width] view with one row stride, where a kernel may take it; else None."""
-    if (torch.compiler.is_compiling() or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() < 2
-            or x.stride(-1) != 1 or (x.requires_grad and torch.is_grad_enabled())):
+    if (torch.compiler.is_compiling() or type(x) not in _PLAIN or x.dtype != torch.float32
+            or x.device.type != "cpu" or x.dim() < 2 or x.stride(-1) != 1
+            or (x.requires_grad and torch.is_grad_enabled())):
         return None
     try:
         rows = x.view(-1, x.shape[-1])
@@ -77,11 +83,12 @@ class Kernels:
 
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         rows = _rows(x, self.min_rows)
-        weight_fits = weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.shape == x.shape[-1:]
+        weight_fits = (type(weight) in _PLAIN and weight.dtype == torch.float32 and weight.device.type == "cpu"
+                       and weight.shape == x.shape[-1:])
         if rows is None or not weight_fits or (weight.requires_grad and torch.is_grad_enabled()):
             return rms_norm(x, weight, eps)
         w = weight.contiguous()
-        y = torch.empty(x.shape, dtype=x.dtype)
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         library(self.isa).seqlab_rms_norm(rows.data_ptr(), rows.stride(0), w.data_ptr(), y.data_ptr(),
                                           rows.shape[0], rows.shape[1], eps, torch.get_num_threads())
         return y
@@ -96,7 +103,7 @@ class Kernels:
         if positions is None or positions.shape[0] != B * T or c is None or s is None or not (
                 c.is_contiguous() and s.is_contiguous()):
             return apply_rotary(x, cos, sin)
-        y = torch.empty(x.shape, dtype=x.dtype)
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         library(self.isa).seqlab_rotary(positions.data_ptr(), positions.stride(0), c.data_ptr(), s.data_ptr(),
                                         y.data_ptr(), B * T, heads, D, torch.get_num_threads())
         return y
@@ -105,7 +112,7 @@ class Kernels:
         rows = _rows(h, self.min_rows) if act is F.silu and h.shape[-1] == 2 * d_ff else None
         if rows is None:
             return gated_activation(act, h, d_ff)
-        y = torch.empty(*h.shape[:-1], d_ff, dtype=h.dtype)
+        y = torch.empty(*h.shape[:-1], d_ff, dtype=h.dtype, device=h.device)
         library(self.isa).seqlab_swiglu(rows.data_ptr(), rows.stride(0), y.data_ptr(), rows.shape[0], d_ff,
                                         torch.get_num_threads())
         return y
@@ -180,18 +187,7 @@ def choose_pointwise(model: nn.Module, use_cache: bool = True) -> tuple[Kernels 
         return None, {}
     shape = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff)
     key = (f"pointwise|{'x'.join(map(str, shape))}|{'+'.join(isas)}|{'+'.join(map(str, ROWS))}|"
-           f"{native.source_key([SOURCE, SIMD])}")
-    sig = current_signature()
-    timings = dict(load_cache(sig).get(key, {})) if use_cache else {}
-    if not timings:
-        for n in ROWS:
-            timings |= {f"{name}@{n}": s for name, s in time_pointwise(*shape, n, isas).items()}
-        if use_cache:
-            timings = dict(store_cache(sig, {key: timings})[key])
-    isa = min(isas, key=lambda i: timings[f"{i}@{ROWS[-1]}"])
-    min_rows = None
-    for n in reversed(ROWS):
-        if timings[f"{isa}@{n}"] * MIN_SPEEDUP > timings[f"torch@{n}"]:
-            break
-        min_rows = n
+           f"{native.source_key(sources())}")
+    timings = timings_by_size(key, ROWS, lambda n: time_pointwise(*shape, n, isas), use_cache)
+    isa, min_rows = winning_from(timings, isas, ROWS, "torch", MIN_SPEEDUP)
     return (Kernels(isa, min_rows) if min_rows is not None else None), timings

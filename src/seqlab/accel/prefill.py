@@ -33,8 +33,10 @@ from torch import Tensor, nn
 
 from seqlab.accel.calibrate import load_cache, store_cache
 from seqlab.accel.pointwise import installed as installed_pointwise
+from seqlab.accel.pointwise import sources as pointwise_sources
 from seqlab.accel.train_linear import onednn_linear, plain_fp32_product, train_route_available
 from seqlab.generate.engine import prefill
+from seqlab.runtime import native
 from seqlab.runtime.cpu import current_signature, native_bf16
 
 LENGTHS = (64, 256)  # prompt lengths timed: each one's winner takes the prompts from it to the next
@@ -146,7 +148,8 @@ def prefill_key(model: nn.Module, allow_bf16: bool = True) -> str:
     extras = f"head|{attention.label + ', fp32 under autocast' if attention is not None else 'sdpa'}"
     kernels = installed_pointwise(model)  # and the norms, rotary and SwiGLU (seqlab.accel.pointwise)
     if kernels is not None:
-        extras += f"|pointwise {kernels.isa} from {kernels.min_rows}"
+        extras += f"|pointwise {kernels.isa} from {kernels.min_rows} {native.source_key(pointwise_sources())}"
+    extras += "|no modes"  # timings taken inside TorchFunctionModes (before 2cffde3) are not reused
     return f"prefill|{routes}|{extras}|{hashlib.sha1(repr(dims).encode()).hexdigest()[:16]}"
 
 

@@ -27,10 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqlab.accel.calibrate import load_cache, store_cache
+from seqlab.accel.calibrate import timings_by_size, winning_from
 from seqlab.model.attention import SelfAttention
 from seqlab.runtime import native
-from seqlab.runtime.cpu import current_signature
 
 SOURCE = Path(__file__).with_name("prefill_attention.c")
 SIMD = Path(__file__).with_name("simd.h")
@@ -114,7 +113,7 @@ class PrefillAttention:
     def _attend(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,
                 is_causal: bool, scale: float | None, enable_gqa: bool) -> Tensor | None:
         """None: SDPA computes it (its own errors included)."""
-        if query.dim() != 4 or query.shape[2] < self.min_len or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or query.dim() != 4 or query.shape[2] < self.min_len:
             return None
         if torch.is_autocast_enabled("cpu"):  # the bf16 prefill route: its products ran in bf16, and the keys and
             # values sit in the fp32 cache; the attention runs in fp32 (SDPA would round all three to bf16 first)
@@ -198,18 +197,8 @@ def choose_attention(n_heads: int, n_kv: int, head_dim: int, max_len: int, use_c
     lengths = [n for n in LENGTHS if n <= max_len]
     if not lengths:
         return AttentionChoice(None, 0, {})
-    key, sig = attention_key(n_heads, n_kv, head_dim, isas, lengths, dtype), current_signature()
-    timings = dict(load_cache(sig).get(key, {})) if use_cache else {}
-    if not timings:
-        for n in lengths:
-            timings |= {f"{name}@{n}": s
-                        for name, s in time_attention(n_heads, n_kv, head_dim, n, isas, dtype).items()}
-        if use_cache:
-            timings = dict(store_cache(sig, {key: timings})[key])
-    isa = min(isas, key=lambda i: timings[f"{i}@{lengths[-1]}"])
-    min_len = None
-    for n in reversed(lengths):
-        if timings[f"{isa}@{n}"] * MIN_SPEEDUP > timings[f"sdpa@{n}"]:
-            break
-        min_len = n
+    key = attention_key(n_heads, n_kv, head_dim, isas, lengths, dtype)
+    timings = timings_by_size(key, lengths, lambda n: time_attention(n_heads, n_kv, head_dim, n, isas, dtype),
+                              use_cache)
+    isa, min_len = winning_from(timings, isas, lengths, "sdpa", MIN_SPEEDUP)
     return AttentionChoice(isa if min_len is not None else None, min_len or 0, timings)
