@@ -29,7 +29,7 @@ from seqlab.runtime.cpu import current_signature, native_bf16
 from seqlab.runtime.memory import move_to_huge_pages
 from seqlab.accel.packed_linear import PackedLinear
 from seqlab.accel.routes import USES, Route, Use, builtin_routes
-from seqlab.accel.prefill import RoutedForward, choose_prefill_cast
+from seqlab.accel.prefill import choose_prefill_cast
 from seqlab.accel.prefill import install as install_routing
 from seqlab.accel.prefill import uninstall as uninstall_routing
 from seqlab.accel.prefill_attention import choose_attention
@@ -209,19 +209,11 @@ def restore_plain(model: nn.Module) -> nn.Module:
     uninstall_gelu(model)
     uninstall_pointwise(model)
     uninstall_attention(model)
-    _uninstall_routing(model)
+    uninstall_routing(model)
     for attr in ("accel_plan", "fused_decode", "prefill_cast", "prefill_attention"):
         if attr in model.__dict__:
             delattr(model, attr)
     return model
-
-
-def _uninstall_routing(model: nn.Module) -> bool:
-    """Take the prefill's oneDNN switch off every layer; whether any had it. A routed layer refers to itself (its
-    ``forward`` holds it), so a replaced one would wait for the garbage collector instead of going at once."""
-    routed = any(isinstance(m.__dict__.get("forward"), RoutedForward) for m in model.modules())
-    uninstall_routing(model)
-    return routed
 
 
 def _restore_plain_layers(model: nn.Module) -> None:
@@ -292,7 +284,9 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
             model.fused_decode, plan.fused = step, step.isa
             model.accel_plan = plan
             return model
-    routed = _uninstall_routing(model)  # off the layers while they are timed and converted (see below)
+    # the prefill's oneDNN switch, off the layers while they are timed and converted: a routed layer refers to
+    # itself (its forward holds it), so a replaced one would wait for the garbage collector instead of going at once
+    routed = uninstall_routing(model)
     by_name = {r.name: r for r in _all_routes(routes)}
     use = Use(for_, plan.rows, compute if for_ != "train" else torch.float32)
     # (name, route, shape): names, not modules, so that no list keeps a replaced dense layer alive

@@ -31,13 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqlab.accel.calibrate import load_cache, store_cache
+from seqlab.accel.calibrate import timings_by_size
 from seqlab.accel.pointwise import installed as installed_pointwise
 from seqlab.accel.pointwise import sources as pointwise_sources
 from seqlab.accel.train_linear import onednn_linear, plain_fp32_product, train_route_available
 from seqlab.generate.engine import prefill
 from seqlab.runtime import native
-from seqlab.runtime.cpu import current_signature, native_bf16
+from seqlab.runtime.cpu import native_bf16
 
 LENGTHS = (64, 256)  # prompt lengths timed: each one's winner takes the prompts from it to the next
 MIN_SPEEDUP = 1.25  # bf16, as for bf16 decode (seqlab.accel.apply.BF16_MIN_SPEEDUP): only where clearly faster
@@ -88,10 +88,14 @@ def install(model: nn.Module) -> None:
             m.forward = RoutedForward(m)
 
 
-def uninstall(model: nn.Module) -> None:
+def uninstall(model: nn.Module) -> bool:
+    """Take the switch off every layer; whether any had it."""
+    routed = False
     for m in model.modules():
         if isinstance(m.__dict__.get("forward"), RoutedForward):
             del m.forward
+            routed = True
+    return routed
 
 
 @dataclass(frozen=True)
@@ -220,15 +224,9 @@ def choose_prefill_cast(model: nn.Module, use_cache: bool = True, allow_bf16: bo
     if len(casts) < 2 or not params or params[0].dtype != torch.float32 or params[0].device.type != "cpu":
         return None, {}
     install(model)  # the layers' oneDNN switch, before anything is timed
-    key, sig = prefill_key(model, allow_bf16), current_signature()
-    timings = dict(load_cache(sig).get(key, {})) if use_cache else {}
-    if not timings:
-        for length in LENGTHS:
-            if length > model.config.max_seq_len:
-                break
-            timings |= {f"{name}@{length}": s for name, s in time_prefills(model, length, casts).items()}
-        if use_cache:
-            timings = dict(store_cache(sig, {key: timings})[key])
+    lengths = [n for n in LENGTHS if n <= model.config.max_seq_len]
+    timings = timings_by_size(prefill_key(model, allow_bf16), lengths,
+                              lambda n: time_prefills(model, n, casts), use_cache)
     steps: list[PrefillCast] = []
     for length in LENGTHS:
         cast = _winner(timings, length)
