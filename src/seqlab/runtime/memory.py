@@ -87,8 +87,9 @@ def keep_freed_blocks(threshold_bytes: int = 1 << 30) -> bool:
     their gradient are 64 MiB each). glibc maps a block above its mmap threshold (32 MiB at most) afresh each time,
     and trims the heap top once more than twice the threshold is free, so the kernel faults those pages in again
     on every step: ~85 MiB a step for seqlab's fp32 step, 270 MiB for HF's (measured with getrusage). Raising
-    both thresholds makes the second step reuse the first step's pages, which is what tcmalloc or jemalloc give
-    CPU training runs. The resident set then stays at the step's peak, which a training process holds anyway. The
+    both thresholds makes each step reuse the last step's pages once the heap has settled (within six steps in
+    40 runs, by address layout: torch's aligned blocks must line up with the free chunks), which is what
+    tcmalloc or jemalloc give CPU training runs. The resident set then stays at the step's peak, which a training process holds anyway. The
     opposite of :func:`map_large_blocks` (a server of changing shapes); process-wide; False where the C library
     has no ``mallopt``.
     """
