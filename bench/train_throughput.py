@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
 
 from seqlab.accel import accelerate  # noqa: E402
+from seqlab.runtime.cpu import compile_keyed_by_isa  # noqa: E402
 from seqlab.runtime.memory import keep_freed_blocks  # noqa: E402
 
 
@@ -174,7 +175,7 @@ def make_step(lib: str, model, precision: str, vocab: int, compiled: bool = Fals
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1,
                             **({"fused": True} if fused else {"foreach": True}))
     autocast = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if precision == "bf16" else None
-    fwd = torch.compile(model) if compiled else model
+    fwd = compile_keyed_by_isa(model) if compiled else model  # natively and under caps: a graph cache each
     if lib == "seqlab":
         obj = build_objective("clm", ByteTokenizer())
         obj._byte_table = torch.ones(vocab, dtype=torch.long)  # the objective counts target bytes, as in training

@@ -18,6 +18,8 @@ import weakref
 import torch
 from torch import Tensor
 
+from seqlab.runtime.cpu import compile_keyed_by_isa
+
 
 def is_encoder_decoder(model) -> bool:
     return getattr(model.config, "arch", "decoder") == "encoder_decoder"
@@ -94,7 +96,7 @@ def compiled_decode_step(model):
     if fn is None:
         device = next(model.parameters()).device
         options = {"cpp_wrapper": True} if device.type == "cpu" else None
-        fn = torch.compile(functools.partial(decode_step, model), dynamic=True, options=options)
+        fn = compile_keyed_by_isa(functools.partial(decode_step, model), dynamic=True, options=options)
         _COMPILED[model] = fn
     return fn
 

@@ -84,3 +84,30 @@ def isa_above_avx2(sig: CpuSignature | None = None) -> bool:
     """True when the CPU has AVX-512 (or AMX): then the test suite also runs under the AVX2 caps."""
     sig = sig or current_signature()
     return bool({"avx512f", "amx_tile"} & set(sig.flags))
+
+
+_ISA_TAG_PREFIX = "seqlab-isa="
+
+
+def key_compile_caches_by_isa() -> str:
+    """Add this process's ISA signature to ``torch.compile``'s cache key; return the tag (process-wide, idempotent).
+
+    Why: Inductor's on-disk graph cache (torch 2.13) keys the C++ it generates by graph and settings, not by the
+    vector ISA the code was generated for, while the library is rebuilt with the running process's ISA flags. A
+    graph cached by a native AVX-512 run and reused under ``ATEN_CPU_CAPABILITY=avx2`` steps its loops 16 floats
+    at a time over 8-float vectors and returns garbage (seqlab's compiled decode step: every token 0); the other
+    way round it corrupts the heap. Same CPU model, flags, caps and capability: same tag, so the cache still hits.
+    """
+    sig = current_signature()
+    isa = json.dumps([sig.cpu_model, sig.flags, sig.caps, sig.aten_capability, sig.torch_version])
+    tag = _ISA_TAG_PREFIX + hashlib.sha256(isa.encode()).hexdigest()[:16]
+    config = torch.compiler.config
+    kept = [part for part in config.cache_key_tag.split("|") if part and not part.startswith(_ISA_TAG_PREFIX)]
+    config.cache_key_tag = "|".join([*kept, tag])
+    return tag
+
+
+def compile_keyed_by_isa(fn, **options):
+    """``torch.compile(fn, **options)`` with the on-disk caches keyed by this process's ISA (see above)."""
+    key_compile_caches_by_isa()
+    return torch.compile(fn, **options)

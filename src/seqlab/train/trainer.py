@@ -32,6 +32,7 @@ from torch import nn
 
 import seqlab.runtime.dist as D
 import seqlab.train.checkpoint as ckpt
+from seqlab.runtime.cpu import compile_keyed_by_isa
 from seqlab.runtime.files import atomic_write_text
 from seqlab.runtime.logbook import Logbook
 from seqlab.runtime.progress import progress
@@ -109,7 +110,7 @@ class Trainer:
         self.fsdp = self.dist.active and cfg.parallel == "fsdp"
         self.optimizer = build_optimizer(self.raw_model, cfg)
         if cfg.compile:
-            self.model = torch.compile(self.model)
+            self.model = compile_keyed_by_isa(self.model)
         self.schedule = LRSchedule(cfg)
         self.sampler = StepSampler(len(train_data), cfg.batch_size, cfg.grad_accum, self.dist.rank,
                                    self.dist.world_size, cfg.seed)
