@@ -15,15 +15,13 @@ machine is shared, so compare ratios from one run.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
+from isa_matrix import add_isa_options, parent_or_child  # noqa: E402
 
 from decode_bench import BenchConfig, ratio_table, run_benchmark  # noqa: E402
 
@@ -47,29 +45,16 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "generate_decode.json"))
     add_isa_options(ap)
     args = ap.parse_args()
-    if args.isa_child is None:  # the parent: one child per ISA, then every table again, side by side
-        res = run_per_isa(__file__, strip_isa_args(sys.argv[1:]), args.isa, args.out)
-        for isa, r in res["by_isa"].items():
-            print(f"\n### {isa}\n{r['table_markdown']}")
-        return
-    bc = BenchConfig(dtypes=tuple(args.dtypes.split(",")), batches=tuple(int(b) for b in args.batches.split(",")),
-                     new_tokens=args.new_tokens, repeats=args.repeats, compile=args.compile, clock=args.clock,
-                     threads=args.threads, n_layers=args.layers, d_model=args.d_model, vocab_size=args.vocab,
-                     ttft_prompt_len=args.ttft_prompt_len, compare_hf=not args.no_hf)
-    if args.quick:
-        bc.n_layers, bc.new_tokens, bc.repeats, bc.ttft_prompt_len = 2, 16, 1, 64
-    results = run_benchmark(bc, log=lambda s: print(s, file=sys.stderr, flush=True))
-    results["isa"] = args.isa_child
-    table = ratio_table(results)
-    print(table)
-    results["table_markdown"] = table
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    os.replace(tmp, out)
-    print(f"wrote {out}", file=sys.stderr)
+    def measure() -> dict:
+        bc = BenchConfig(dtypes=tuple(args.dtypes.split(",")), batches=tuple(int(b) for b in args.batches.split(",")),
+                         new_tokens=args.new_tokens, repeats=args.repeats, compile=args.compile, clock=args.clock,
+                         threads=args.threads, n_layers=args.layers, d_model=args.d_model, vocab_size=args.vocab,
+                         ttft_prompt_len=args.ttft_prompt_len, compare_hf=not args.no_hf)
+        if args.quick:
+            bc.n_layers, bc.new_tokens, bc.repeats, bc.ttft_prompt_len = 2, 16, 1, 64
+        return run_benchmark(bc, log=lambda s: print(s, file=sys.stderr, flush=True))
 
+    parent_or_child(__file__, args, measure, ratio_table)  # the parent: one child per ISA, then every table again
 
 if __name__ == "__main__":
     main()

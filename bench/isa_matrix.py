@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
@@ -47,10 +48,7 @@ def run_per_isa(script: str, argv: list[str], isas: str, out: str) -> dict:
             subprocess.run([sys.executable, script, *argv, "--isa-child", isa, "--out", str(child_out)], env=env,
                            check=True)
             collected["by_isa"][isa] = json.loads(child_out.read_text())
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = Path(out).with_suffix(".json.tmp")
-    tmp_out.write_text(json.dumps(collected, indent=2) + "\n")
-    os.replace(tmp_out, out)
+    write_json(out, collected)
     print(f"wrote {out}", file=sys.stderr)
     return collected
 
@@ -69,3 +67,27 @@ def strip_isa_args(argv: list[str]) -> list[str]:
             continue
         out.append(a)
     return out
+
+
+def parent_or_child(script: str, args, measure: Callable[[], dict], table: Callable[[dict], str]) -> None:
+    """A bench's ``main`` after parsing: as the parent, one child per ISA, then every table again; as a child,
+    ``measure()``, print its table and write the result (with ``isa`` and ``table_markdown``) to ``args.out``."""
+    if args.isa_child is None:
+        res = run_per_isa(script, strip_isa_args(sys.argv[1:]), args.isa, args.out)
+        for isa, r in res["by_isa"].items():
+            print(f"\n### {isa}\n{r['table_markdown']}")
+        return
+    result = measure()
+    result["isa"] = args.isa_child
+    result["table_markdown"] = table(result)
+    print(result["table_markdown"])
+    write_json(args.out, result)
+
+
+def write_json(out: str | Path, obj: dict) -> None:
+    """``obj`` as indented JSON at ``out``, whole or not at all (a temporary file, then a rename)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, out)

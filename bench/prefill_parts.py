@@ -13,8 +13,6 @@ and writes bench/results/prefill_parts.json.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
@@ -23,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
+from isa_matrix import add_isa_options, parent_or_child  # noqa: E402
 
 from decode_bench import BenchConfig, build_models, default_copy  # noqa: E402
 from seqlab.accel import pointwise, prefill_attention  # noqa: E402
@@ -102,20 +100,8 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "prefill_parts.json"))
     add_isa_options(ap)
     args = ap.parse_args()
-    if args.isa_child is None:  # the parent: one child per ISA
-        res = run_per_isa(__file__, strip_isa_args(sys.argv[1:]), args.isa, args.out)
-        for isa, r in res["by_isa"].items():
-            print(f"\n### {isa}\n{r['table_markdown']}")
-        return
-    result = measure(args.rounds, args.prompt_len, args.threads, args.warm_decodes)
-    result["isa"] = args.isa_child
-    result["table_markdown"] = table(result)
-    print(result["table_markdown"])
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out)
+    parent_or_child(__file__, args, lambda: measure(args.rounds, args.prompt_len, args.threads, args.warm_decodes),
+                    table)
 
 
 if __name__ == "__main__":
