@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "generate_decode.json"))
     add_isa_options(ap)
     args = ap.parse_args()
+
     def measure() -> dict:
         bc = BenchConfig(dtypes=tuple(args.dtypes.split(",")), batches=tuple(int(b) for b in args.batches.split(",")),
                          new_tokens=args.new_tokens, repeats=args.repeats, compile=args.compile, clock=args.clock,
@@ -54,7 +55,8 @@ def main() -> None:
             bc.n_layers, bc.new_tokens, bc.repeats, bc.ttft_prompt_len = 2, 16, 1, 64
         return run_benchmark(bc, log=lambda s: print(s, file=sys.stderr, flush=True))
 
-    parent_or_child(__file__, args, measure, ratio_table)  # the parent: one child per ISA, then every table again
+    parent_or_child(__file__, args, measure, ratio_table)  # parent: a child per ISA; child: measure and write
+
 
 if __name__ == "__main__":
     main()

@@ -52,6 +52,7 @@ def _timed(fn) -> float:
 
 
 def measure(shapes: str, rows: int, passes: int, threads: int) -> dict:
+    """Median ms of each route's pass over every layer's products, and the square-matrix rate after them."""
     torch.set_num_threads(threads)
     products, layers = layer_products(shapes)
     weights = [[torch.randn(n, k) * 0.02 for k, n in products] for _ in range(layers)]
@@ -64,17 +65,17 @@ def measure(shapes: str, rows: int, passes: int, threads: int) -> dict:
     routes = {"MKL (F.linear)": (F.linear, weights), "oneDNN, plain weights": (onednn, weights),
               "oneDNN, packed once": (onednn, packed)}
 
-    def one_pass(product, table):
-        for ws in table:
+    def one_pass(product, by_layer):
+        for ws in by_layer:
             for (k, _), w in zip(products, ws):
                 product(inputs[k], w)
 
-    for product, table in routes.values():
-        one_pass(product, table)  # warm-up
+    for product, by_layer in routes.values():
+        one_pass(product, by_layer)  # warm-up
     samples: dict[str, list[float]] = {name: [] for name in routes}
     for _ in range(passes):
-        for name, (product, table) in routes.items():
-            samples[name].append(_timed(lambda: one_pass(product, table)) * 1e3)
+        for name, (product, by_layer) in routes.items():
+            samples[name].append(_timed(lambda: one_pass(product, by_layer)) * 1e3)
     peak = square_rate()
     gflop = 2 * rows * sum(k * n for k, n in products) * layers / 1e9
     rows_out = []

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import platform
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
@@ -20,6 +21,8 @@ import torch
 _ISA_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
               "amx_tile", "amx_bf16", "amx_int8", "avx_vnni", "asimd", "sve", "bf16")
 _CAP_VARS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+# what makes torch, oneDNN and MKL on an AVX-512/AMX machine run as on an AVX2-only CPU (read when torch loads)
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 # oneDNN ISA names at or above which bf16 dot products are native (lower caps emulate bf16)
 _ONEDNN_BF16_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX",
                      "AVX10_1_512_AMX_FP16", "AVX10_2_512_AMX_2", "ALL", "DEFAULT")
@@ -92,11 +95,12 @@ _ISA_TAG_PREFIX = "seqlab-isa="
 def key_compile_caches_by_isa() -> str:
     """Add this process's ISA signature to ``torch.compile``'s cache key; return the tag (process-wide, idempotent).
 
-    Why: Inductor's on-disk graph cache (torch 2.13) keys the C++ it generates by graph and settings, not by the
-    vector ISA the code was generated for, while the library is rebuilt with the running process's ISA flags. A
-    graph cached by a native AVX-512 run and reused under ``ATEN_CPU_CAPABILITY=avx2`` steps its loops 16 floats
-    at a time over 8-float vectors and returns garbage (seqlab's compiled decode step: every token 0); the other
-    way round it corrupts the heap. Same CPU model, flags, caps and capability: same tag, so the cache still hits.
+    Why: Inductor's FX graph cache (torch 2.13) stores the C++ source it generates, keyed by graph and settings but
+    not by the vector ISA it was generated for; the cached source is then compiled with this process's ISA flags. A
+    graph cached by a native AVX-512 run and reused under ``ATEN_CPU_CAPABILITY=avx2`` steps its loops 16 floats at
+    a time over 8-float vectors and returns garbage (seqlab's compiled decode step: every token 0); the other way
+    round it corrupts the heap. Same CPU model, flags, caps and capability: same tag, so the cache still hits. Any
+    other parts of the tag (a user's own) stay.
     """
     sig = current_signature()
     isa = json.dumps([sig.cpu_model, sig.flags, sig.caps, sig.aten_capability, sig.torch_version])
@@ -107,7 +111,7 @@ def key_compile_caches_by_isa() -> str:
     return tag
 
 
-def compile_keyed_by_isa(fn, **options):
-    """``torch.compile(fn, **options)`` with the on-disk caches keyed by this process's ISA (see above)."""
+def compile_keyed_by_isa(fn: Callable, **compile_kwargs) -> Callable:
+    """``torch.compile(fn, **compile_kwargs)`` with the on-disk caches keyed by this process's ISA (see above)."""
     key_compile_caches_by_isa()
-    return torch.compile(fn, **options)
+    return torch.compile(fn, **compile_kwargs)

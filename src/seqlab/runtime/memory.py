@@ -89,9 +89,10 @@ def keep_freed_blocks(threshold_bytes: int = 1 << 30) -> bool:
     on every step: ~85 MiB a step for seqlab's fp32 step, 270 MiB for HF's (measured with getrusage). Raising
     both thresholds makes each step reuse the last step's pages once the heap has settled (within six steps in
     40 runs, by address layout: torch's aligned blocks must line up with the free chunks), which is what
-    tcmalloc or jemalloc give CPU training runs. The resident set then stays at the step's peak, which a training process holds anyway. The
-    opposite of :func:`map_large_blocks` (a server of changing shapes); process-wide; False where the C library
-    has no ``mallopt``.
+    tcmalloc or jemalloc give CPU training runs. The resident set then stays at the step's peak (plus what the
+    first steps took off the heap top), which a training process holds anyway. The opposite of
+    :func:`map_large_blocks` (a server of changing shapes); process-wide; False where the C library has no
+    ``mallopt``.
     """
     return _mallopt(_M_MMAP_THRESHOLD, threshold_bytes) and _mallopt(_M_TRIM_THRESHOLD, threshold_bytes)
 
