@@ -210,7 +210,7 @@ def _worker_main(conn, name: str, precision: str, args) -> None:
     ours, hf, _ = build_pair(args)
     model, plan = (hf if name == "hf" else ours), None
     if "accel" in name:  # what `seqlab train` does on a CPU: the product routes, and the allocator setting
-        accelerate(model, "train", rows=args.batch_size * args.seq_len, dtype=None)
+        accelerate(model, "train", rows=args.batch_size * args.seq_len, dtype=None, seq_len=args.seq_len)
         keep_freed_blocks()
         plan = model.accel_plan.summary()
     step = make_step("hf" if name == "hf" else "seqlab", model, precision, args.vocab,

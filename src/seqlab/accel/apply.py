@@ -36,6 +36,8 @@ from seqlab.accel.prefill_attention import choose_attention
 from seqlab.accel.prefill_attention import install as install_attention
 from seqlab.accel.prefill_attention import uninstall as uninstall_attention
 from seqlab.accel.step_check import choose_fused
+from seqlab.accel.train_attention import choose_train_attention
+from seqlab.accel.train_attention import install as install_train_attention
 from seqlab.accel.train_linear import TrainLinear
 from seqlab.accel.verify import pass_key, time_pass
 
@@ -92,6 +94,10 @@ class AccelPlan:
     # training: the MLP activation (seqlab.accel.fused_gelu), seconds per forward + backward of each candidate
     act_s: dict[str, float] = field(default_factory=dict)
     act: str = ""  # the one installed ("" when torch's stays)
+    # training: the causal self-attention (seqlab.accel.train_attention), seconds per layer's forward + backward
+    # ("fp32 sdpa", "fp32 avx2", ...), and what runs ("" when SDPA stays)
+    train_attention_s: dict[str, float] = field(default_factory=dict)
+    train_attention: str = ""
 
     def route_for(self, in_features: int, out_features: int) -> str:
         if not self.kept or self.fused:
@@ -114,6 +120,10 @@ class AccelPlan:
         if self.act_s:
             times = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.act_s.items())
             lines.append(f"  MLP activation (forward + backward): {times}; {self.act or 'torch'} runs")
+        if self.train_attention_s:
+            times = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.train_attention_s.items())
+            lines.append(f"  causal attention (one layer, forward + backward): {times}; "
+                         f"{self.train_attention or 'SDPA'} runs")
         if self.attention_s:
             times = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.attention_s.items())
             lines.append(f"  prefill attention (one prompt, all heads): {times}; {self.attention}")
@@ -232,13 +242,15 @@ def _restore_plain_layers(model: nn.Module) -> None:
 def accelerate(model: nn.Module, for_: str = "decode", *, rows: int | None = None,
                dtype: str | torch.dtype | None = "auto", routes: Sequence[Route] = (),
                budget_s: float = DEFAULT_BUDGET_S, use_cache: bool = True, verify: bool = True,
-               fused: bool = True) -> nn.Module:
+               fused: bool = True, seq_len: int | None = None) -> nn.Module:
     """Convert ``model`` in place for ``for_`` (``decode``, ``prefill`` or ``train``) and return it.
 
     ``rows``: activation rows per product (decode: batch x beams; default per use). ``dtype``: ``"auto"`` (bf16
     where the CPU has it natively and it measures clearly faster; never for batch-1 decode), ``None`` (keep the
     model's), ``"fp32"``/``"bf16"``. For training the parameters stay fp32 and the plan's ``dtype`` is the autocast
     dtype to use. ``routes``: extra :class:`~seqlab.accel.routes.Route`\\ s to consider (e.g. quantised ones).
+    ``seq_len``: for training, the tokens per sequence of a step (default: the model's ``max_seq_len``, at most
+    ``rows``), the shape its causal attention is timed at.
     ``verify``: for inference, also time one pass over the converted layers before and after, and leave the model
     plain unless the routes win there too (:mod:`seqlab.accel.verify`). For decoding, a fused whole step
     (:mod:`seqlab.accel.fused_step`) is timed against the plain one first; where it wins it is installed as
@@ -247,11 +259,12 @@ def accelerate(model: nn.Module, for_: str = "decode", *, rows: int | None = Non
     whether the calibration cache was cold or warm.
     """
     with torch.random.fork_rng(devices=[]):
-        return _accelerate(model, for_, rows, dtype, routes, budget_s, use_cache, verify, fused)
+        return _accelerate(model, for_, rows, dtype, routes, budget_s, use_cache, verify, fused, seq_len)
 
 
 def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torch.dtype | None,
-                routes: Sequence[Route], budget_s: float, use_cache: bool, verify: bool, fused: bool) -> nn.Module:
+                routes: Sequence[Route], budget_s: float, use_cache: bool, verify: bool, fused: bool,
+                seq_len: int | None) -> nn.Module:
     restore_plain(model)
     if os.environ.get(DISABLE_ENV, "").strip() in ("0", "off", "false", "no"):
         return model  # the plain model: the switch that tells a slow route from a wrong one
@@ -321,5 +334,11 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
         if act is not None:
             install_gelu(model, act)
             plan.act = repr(act)
+        length = min(seq_len or cfg.max_seq_len, plan.rows)  # a step is rows // length sequences of length tokens
+        dtypes = (torch.float32, torch.bfloat16) if native_bf16() else (torch.float32,)  # autocast may run bf16
+        attend, plan.train_attention_s = choose_train_attention(model, plan.rows // length, length, dtypes, use_cache)
+        if attend is not None:
+            install_train_attention(model, attend)
+            plan.train_attention = repr(attend)
     model.accel_plan = plan
     return model

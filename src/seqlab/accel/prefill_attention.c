@@ -5,14 +5,13 @@
  * Keys are first transposed once per kv head so the score tiles read them as rows. Tasks run largest first (the
  * causal blocks grow along the prompt) under a dynamic OpenMP schedule. The math is fp32; bf16 inputs are widened
  * once (K and V into the same scratch), and a bf16 output is rounded once, from fp32 partial sums. */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "simd.h"
+#include "attention_tiles.h"
 
-#define NR (2 * VL) /* columns per register tile: keys in the score product, head dims in the value product */
-#define MR 6  /* query rows per register tile: 12 accumulators, 2 loads and a broadcast fit AVX2's 16 registers */
 #define BK 512 /* keys per block: each block of K^T and V is reused from cache by all of a task's row tiles */
 #define BQ 48 /* query rows per task (measured: 6 x 48 beat 4 x 64 by 5-15 % in the AVX2 build, and
                  matched 8 x 64 in the AVX-512 one) */
@@ -24,31 +23,8 @@ typedef struct {
     int64_t q_strides[3], k_strides[3], v_strides[3], out_strides[3]; /* batch, head, position; in elements */
     float scale;
     int64_t bf16;
+    float *lse; /* NULL, or [batch, n_heads, len]: each row's log-sum-exp of its scaled scores (for a backward) */
 } Attention;
-
-static inline float element(const void *p, int64_t i, int bf16) {
-    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
-
-/* s[r][j0 .. j0+NR) = qs[r] . kt[:, j0 .. j0+NR) for MR rows */
-static inline void score_tile(const float *qs, int64_t D, const float *kt, int64_t ld_kt, float *s, int64_t ld_s) {
-    vf acc[MR][2];
-    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = vzero();
-    for (int64_t d = 0; d < D; d++) {
-        const vf k0 = vload(kt + d * ld_kt), k1 = vload(kt + d * ld_kt + VL);
-        for (int r = 0; r < MR; r++) {
-            const vf b = vset1(qs[r * D + d]);
-            acc[r][0] = vfma(b, k0, acc[r][0]);
-            acc[r][1] = vfma(b, k1, acc[r][1]);
-        }
-    }
-    for (int r = 0; r < MR; r++) {
-        vstore(s + r * ld_s, acc[r][0]);
-        vstore(s + r * ld_s + VL, acc[r][1]);
-    }
-}
 
 /* rows r < `rows` of sum_{j0 <= j < j1} p[r][j] v[j][c0 .. c0+NR), for MR rows: the first key block starts from
  * zero, later ones add to the partial sums the earlier ones left in `part` (stride part_st), and the last scales by
@@ -86,8 +62,8 @@ static inline void value_tile(const float *p, int64_t ld_p, const float *v, int6
     }
 }
 
-/* row := exp(row - max) over its first n entries, zero from n to end; returns 1 / sum */
-static float softmax_row(float *row, int64_t n, int64_t end) {
+/* row := exp(row - max) over its first n entries, zero from n to end; returns 1 / sum, and the max in *max */
+static float softmax_row(float *row, int64_t n, int64_t end, float *max) {
     vf m = vset1(-3.4e38f);
     int64_t j = 0;
     for (; j + VL <= n; j += VL) m = vmax(m, vload(row + j));
@@ -117,6 +93,7 @@ static float softmax_row(float *row, int64_t n, int64_t end) {
         j = n;
     }
     if (end > n) memset(row + n, 0, (size_t)(end - n) * sizeof(float));
+    *max = mx;
     return 1.0f / vsum(acc);
 }
 
@@ -143,12 +120,8 @@ int seqlab_causal_attention(const Attention *a, int nthreads) {
             for (int64_t g = 0; g < G; g++) {
                 const int64_t k0 = b * a->k_strides[0] + g * a->k_strides[1];
                 const int64_t v0 = b * a->v_strides[0] + g * a->v_strides[1];
-                float *dst = kt + (b * G + g) * D * tpad;
-                for (int64_t j = 0; j < T; j++)
-                    for (int64_t d = 0; d < D; d++)
-                        dst[d * tpad + j] = element(a->k, k0 + j * a->k_strides[2] + d, bf16);
-                for (int64_t d = 0; d < D; d++)
-                    for (int64_t j = T; j < tpad; j++) dst[d * tpad + j] = 0.0f;
+                const void *k = bf16 ? (const void *)((const uint16_t *)a->k + k0) : (const void *)((const float *)a->k + k0);
+                transpose_rows(k, a->k_strides[2], bf16, T, D, kt + (b * G + g) * D * tpad, tpad);
                 if (bf16)
                     for (int64_t j = 0; j < T; j++)
                         for (int64_t d = 0; d < D; d++)
@@ -190,9 +163,11 @@ int seqlab_causal_attention(const Attention *a, int nthreads) {
                         score_tile(qs + r0 * D, D, ktg + j0, tpad, s + r0 * tpad + j0, tpad);
                 }
             for (int64_t r = 0; r < mrows; r++) {
-                if (r < rows)
-                    inv[r] = softmax_row(s + r * tpad, i0 + r + 1, cols);
-                else
+                if (r < rows) {
+                    float mx;
+                    inv[r] = softmax_row(s + r * tpad, i0 + r + 1, cols, &mx);
+                    if (a->lse) a->lse[(b * H + h) * T + i0 + r] = mx - logf(inv[r]);
+                } else
                     memset(s + r * tpad, 0, (size_t)cols * sizeof(float));
             }
             for (int64_t j0 = 0; j0 < i1; j0 += BK)

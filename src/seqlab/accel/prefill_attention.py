@@ -33,6 +33,7 @@ from seqlab.runtime import native
 
 SOURCE = Path(__file__).with_name("prefill_attention.c")
 SIMD = Path(__file__).with_name("simd.h")
+TILES = Path(__file__).with_name("attention_tiles.h")
 HEAD_DIM_MULTIPLE = 32  # the kernel's column tile in the AVX-512 build (16 in the AVX2 one)
 DTYPES = (torch.float32, torch.bfloat16)  # bf16 values are widened once and computed in fp32, the output rounded once
 LENGTHS = (64, 256, 1024)  # prompt lengths timed: the kernel takes prompts from the shortest length it wins from on
@@ -45,12 +46,12 @@ class _Attention(ctypes.Structure):
     _fields_ = [("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("out", ctypes.c_void_p),
                 ("batch", i64), ("n_heads", i64), ("n_kv", i64), ("len", i64), ("head_dim", i64),
                 ("q_strides", i64 * 3), ("k_strides", i64 * 3), ("v_strides", i64 * 3), ("out_strides", i64 * 3),
-                ("scale", ctypes.c_float), ("bf16", i64)]
+                ("scale", ctypes.c_float), ("bf16", i64), ("lse", ctypes.c_void_p)]
 
 
 def library(isa: str) -> ctypes.CDLL | None:
     """The kernel built for ``isa`` ("avx2" or "avx512"), or None where it cannot be built or run here."""
-    return native.optional_library("prefill_attention", SOURCE, isa, [SIMD], _signatures,
+    return native.optional_library("prefill_attention", SOURCE, isa, [SIMD, TILES], _signatures,
                                    "seqlab.accel: prefill attention kernel")
 
 
@@ -76,10 +77,12 @@ def takes(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, drop
             and H % G == 0 and D % HEAD_DIM_MULTIPLE == 0)
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, isa: str = "avx2") -> Tensor | None:
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, isa: str = "avx2",
+                     lse: Tensor | None = None) -> Tensor | None:
     """SDPA's ``is_causal`` result for ``q`` [B, H, T, D] and ``k``, ``v`` [B, G, T, D] (G divides H), computed by
     the kernel; None where it declined (the caller falls back to SDPA). The result is a [B, H, T, D] view of a
-    [B, T, H, D] tensor, so the usual ``transpose(1, 2).reshape(B, T, H * D)`` after attention is free."""
+    [B, T, H, D] tensor, so the usual ``transpose(1, 2).reshape(B, T, H * D)`` after attention is free. ``lse``
+    (contiguous fp32 [B, H, T]), where given, receives each row's log-sum-exp of its scaled scores."""
     lib = library(isa)
     if lib is None:
         return None
@@ -89,7 +92,7 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None
     desc = _Attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), B, H, k.shape[1], T, D,
                       (i64 * 3)(*q.stride()[:3]), (i64 * 3)(*k.stride()[:3]), (i64 * 3)(*v.stride()[:3]),
                       (i64 * 3)(*view.stride()[:3]), 1.0 / math.sqrt(D) if scale is None else scale,
-                      int(q.dtype == torch.bfloat16))
+                      int(q.dtype == torch.bfloat16), None if lse is None else lse.data_ptr())
     return view if lib.seqlab_causal_attention(ctypes.byref(desc), torch.get_num_threads()) == 0 else None
 
 
@@ -183,7 +186,7 @@ def attention_key(n_heads: int, n_kv: int, head_dim: int, isas: list[str], lengt
     """The shape and dtype, the builds, the lengths timed (they depend on the model's longest prompt) and the
     kernel's source."""
     return (f"prefill-attention|{n_heads}x{n_kv}x{head_dim}|{str(dtype).removeprefix('torch.')}|{'+'.join(isas)}|"
-            f"{'+'.join(map(str, lengths))}|{native.source_key([SOURCE, SIMD])}")
+            f"{'+'.join(map(str, lengths))}|{native.source_key([SOURCE, SIMD, TILES])}")
 
 
 def choose_attention(n_heads: int, n_kv: int, head_dim: int, max_len: int, use_cache: bool = True,

@@ -182,7 +182,8 @@ def run_train(args: argparse.Namespace) -> int:
     resolve_device(cfg.device)  # a missing GPU fails now, not after the data is built
     run = build_run(cfg, resume=args.resume, load_folder=_load_model_folder)
     if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
-        accelerate(run.model, "train", rows=cfg.batch_size * cfg.seq_len, dtype=None)  # same Parameters, routes only
+        # same Parameters: the product routes, the GELU and the causal attention, each where it times faster
+        accelerate(run.model, "train", rows=cfg.batch_size * cfg.seq_len, dtype=None, seq_len=cfg.seq_len)
         keep_freed_blocks()  # each step reuses the last step's pages instead of faulting in fresh ones
     trainer = Trainer(cfg, run.model, run.objective, run.train_data, run.val_data, tokenizer=run.tokenizer,
                       resume=args.resume, tensorboard_dir=args.tensorboard)
