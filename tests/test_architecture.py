@@ -3,13 +3,16 @@
 * no import cycle between modules;
 * the layer order: a module imports only modules of its own layer or a lower one (``LAYERS``);
 * at most ``MAX_LOCAL_IMPORTS`` function-local imports of seqlab, each explained by a comment;
-* no source file over ``MAX_LINES`` lines.
+* no source file over ``MAX_LINES`` lines;
+* every C source and header the package compiles at run time is in the wheel (``package-data``).
 
 docs/architecture.md explains the layers and why they are in this order.
 """
 from __future__ import annotations
 
 import ast
+import tomllib
+from fnmatch import fnmatch
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -174,3 +177,13 @@ def test_the_checks_see_what_they_should():
     assert ("seqlab.generate.engine", False) in {(t, loc) for t, _, loc in IMPORTS["seqlab.generate.loop"]}
     assert _layer("seqlab.cli.generate") > _layer("seqlab.io.hf") > _layer("seqlab.generate.engine") > \
         _layer("seqlab.model.masks") == _layer("seqlab")
+
+
+def test_every_c_source_ships_in_the_wheel():
+    """A kernel source left out of ``package-data`` works from a checkout and is silently missing from an
+    installed wheel (the accelerator then falls back to the slow path)."""
+    pyproject = tomllib.loads((SRC.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    globs = pyproject["tool"]["setuptools"]["package-data"][PACKAGE]
+    sources = [p.relative_to(SRC / PACKAGE).as_posix() for p in (SRC / PACKAGE).rglob("*") if p.suffix in (".c", ".h")]
+    assert len(sources) >= 8  # the accelerator's kernels and headers, and the quantised-product kernel
+    assert [s for s in sources if not any(fnmatch(s, g) for g in globs)] == []
