@@ -14,8 +14,9 @@ values, forward + backward), the PaLM accounting.
 
 Columns: ``seqlab`` (the plain model, AdamW foreach, as before), ``seqlab+fused`` (the same with
 ``AdamW(fused=True)``, what ``seqlab train`` uses), ``seqlab+accel`` (also ``seqlab.accel.accelerate(model,
-"train")``: the fp32 product routes calibrated on this machine, and ``runtime.memory.keep_freed_blocks()``: what
-``seqlab train`` runs on CPU), ``hf`` (as a user runs it: glibc's default allocator settings).
+"train")``: the fp32 product routes calibrated on this machine, the fused GELU and the causal attention's
+forward + backward where they time faster, and ``runtime.memory.keep_freed_blocks()``: what ``seqlab train`` runs
+on CPU), ``hf`` (as a user runs it: glibc's default allocator settings).
 
     python bench/train_throughput.py                     # fp32 and bf16, default size, native and AVX2 caps
     python bench/train_throughput.py --isa native        # this CPU's own ISA only
@@ -44,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
 
 from seqlab.accel import accelerate  # noqa: E402
-from seqlab.runtime.cpu import compile_keyed_by_isa  # noqa: E402
+from seqlab.runtime.cpu import compile_keyed_by_isa, native_bf16  # noqa: E402
 from seqlab.runtime.memory import keep_freed_blocks  # noqa: E402
 
 
@@ -288,6 +289,11 @@ def main() -> None:
     flops_tok = model_flops_per_token(args)
     tokens = args.batch_size * args.seq_len
     precisions = args.precisions.split(",")
+    if "bf16" in precisions and not native_bf16():  # emulated bf16 products: about 1 GFLOP/s, minutes a step
+        print("bf16 is not native on this CPU (or under these ISA caps): timing fp32 only", flush=True)
+        precisions = [p for p in precisions if p != "bf16"]
+        if not precisions:
+            sys.exit("no precision left to time")
     peaks = measured_peaks(precisions)
     results, plans = [], {}
     n_params = build_pair(args)[2]

@@ -1,0 +1,137 @@
+"""Training's causal attention: SDPA against seqlab's kernels, one layer and a whole training step.
+
+    .venv/bin/python bench/train_attention.py                  # GPT-2 small's attention; natively and under the caps
+    .venv/bin/python bench/train_attention.py --step d256      # also a whole step of train_throughput's d-256 model
+    .venv/bin/python bench/train_attention.py --step gpt2-small --step-rounds 3 --isa avx2
+
+One layer: forward and backward timed apart (best of ``--rounds``, candidates interleaved), on inputs laid out as the
+model lays them out ([B, T, heads, D] projections viewed as [B, heads, T, D]). A step: ``train_throughput``'s
+seqlab+accel step (``accelerate(model, "train")``, fused AdamW, ``keep_freed_blocks``), in one process, with every
+self-attention's ``attend`` switched between the installed kernel and SDPA round by round (the order alternating),
+so that the ratio is the attention's share alone. Prints a table and writes bench/results/train_attention.json.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+import train_throughput  # noqa: E402
+from isa_matrix import add_isa_options, parent_or_child  # noqa: E402
+
+from seqlab.accel import accelerate  # noqa: E402
+from seqlab.accel.train_attention import TrainAttention, available_isas  # noqa: E402
+from seqlab.model.attention import SelfAttention  # noqa: E402
+from seqlab.runtime.cpu import native_bf16  # noqa: E402
+from seqlab.runtime.memory import keep_freed_blocks  # noqa: E402
+
+# train_throughput's two model sizes (GPT-2 shape: learned positions, LayerNorm, GELU, tied head)
+STEP_MODELS = {"d256": dict(vocab=8192, d_model=256, n_layers=4, n_heads=4),
+               "gpt2-small": dict(vocab=50257, d_model=768, n_layers=12, n_heads=12)}
+
+
+def time_layer(batch: int, length: int, heads: int, head_dim: int, rounds: int) -> list[dict]:
+    """Best forward and backward seconds of SDPA and of each kernel build on one layer's causal attention."""
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(batch, length, 3 * heads, head_dim, generator=g).requires_grad_()
+    grad = torch.randn(batch, heads, length, head_dim, generator=g)
+    candidates = {"SDPA": F.scaled_dot_product_attention,
+                  **{f"seqlab ({isa})": TrainAttention({torch.float32: isa}) for isa in available_isas()}}
+    best = {name: [float("inf"), float("inf")] for name in candidates}
+    for r in range(rounds + 1):  # round 0 warms up
+        for name, attend in candidates.items():
+            q, k, v = (t.transpose(1, 2) for t in qkv.split(heads, dim=2))
+            t0 = time.perf_counter()
+            out = attend(q, k, v, is_causal=True)
+            t1 = time.perf_counter()
+            out.backward(grad)
+            t2 = time.perf_counter()
+            qkv.grad = None
+            if r:
+                best[name] = [min(best[name][0], t1 - t0), min(best[name][1], t2 - t1)]
+    flop = 2 * 2 * batch * heads * length * length * head_dim / 2  # two products over the causal half
+    return [{"candidate": name, "forward_ms": f * 1e3, "backward_ms": b * 1e3,
+             "forward_gflops": flop / f / 1e9, "backward_gflops": 2.5 * flop / b / 1e9} for name, (f, b) in best.items()]
+
+
+def time_step(model_name: str, precision: str, rounds: int) -> dict:
+    """Median ms of a seqlab+accel training step with the kernel installed and with SDPA, alternating."""
+    args = types.SimpleNamespace(**STEP_MODELS[model_name], seq_len=256, batch_size=8)
+    model, _, _ = train_throughput.build_pair(args)
+    accelerate(model, "train", rows=args.batch_size * args.seq_len, dtype=None, seq_len=args.seq_len)
+    keep_freed_blocks()
+    layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
+    installed = layers[0].attend
+    step = train_throughput.make_step("seqlab", model, precision, args.vocab, fused=True)
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=g) for _ in range(2)]
+    samples: dict[str, list[float]] = {"kernel": [], "SDPA": []}
+    order = [("kernel", installed), ("SDPA", F.scaled_dot_product_attention)]
+    for r in range(rounds + 1):  # round 0 warms up both
+        for name, attend in order if r % 2 else order[::-1]:
+            for m in layers:
+                m.attend = attend
+            t0 = time.perf_counter()
+            step(batches[r % 2])
+            if r:
+                samples[name].append((time.perf_counter() - t0) * 1e3)
+    kernel, sdpa = statistics.median(samples["kernel"]), statistics.median(samples["SDPA"])
+    return {"model": model_name, "precision": precision, "installed": repr(installed), "kernel_ms": kernel,
+            "sdpa_ms": sdpa, "speedup": sdpa / kernel, "samples_ms": samples}
+
+
+def measure(args) -> dict:
+    torch.set_num_threads(args.threads)
+    result = {"batch": args.batch, "length": args.length, "heads": args.heads, "head_dim": args.head_dim,
+              "threads": args.threads, "layer": time_layer(args.batch, args.length, args.heads, args.head_dim,
+                                                           args.rounds), "steps": []}
+    if args.step:
+        precisions = [p for p in args.step_precisions.split(",") if p == "fp32" or native_bf16()]
+        result["steps"] = [time_step(args.step, p, args.step_rounds) for p in precisions]
+    return result
+
+
+def table(result: dict) -> str:
+    lines = [f"one layer: {result['batch']} x {result['length']} tokens, {result['heads']} heads x "
+             f"{result['head_dim']}, {result['threads']} threads", "",
+             "| candidate | forward ms | backward ms | forward + backward | GFLOP/s fwd / bwd (causal half) |",
+             "|---|---|---|---|---|"]
+    base = result["layer"][0]["forward_ms"] + result["layer"][0]["backward_ms"]
+    for r in result["layer"]:
+        total = r["forward_ms"] + r["backward_ms"]
+        lines.append(f"| {r['candidate']} | {r['forward_ms']:.2f} | {r['backward_ms']:.2f} | {total:.2f} ms "
+                     f"({base / total:.2f}x) | {r['forward_gflops']:.0f} / {r['backward_gflops']:.0f} |")
+    if result["steps"]:
+        lines += ["", "| step | precision | installed | with the kernel | with SDPA | speed-up |", "|---|---|---|---|---|---|"]
+        lines += [f"| {s['model']} | {s['precision']} | {s['installed']} | {s['kernel_ms']:.1f} ms | "
+                  f"{s['sdpa_ms']:.1f} ms | {s['speedup']:.3f}x |" for s in result["steps"]]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--length", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--step", choices=sorted(STEP_MODELS), default=None,
+                    help="also time a whole training step of this model with the kernel and with SDPA")
+    ap.add_argument("--step-rounds", type=int, default=8)
+    ap.add_argument("--step-precisions", default="fp32,bf16", help="bf16 only where the CPU has it natively")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "train_attention.json"))
+    add_isa_options(ap)
+    args = ap.parse_args()
+    parent_or_child(__file__, args, lambda: measure(args), table)
+
+
+if __name__ == "__main__":
+    main()
