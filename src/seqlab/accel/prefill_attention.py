@@ -65,12 +65,13 @@ def available_isas() -> list[str]:
 
 
 def takes(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
-          is_causal: bool = False) -> bool:
-    """Whether the kernel computes this SDPA call (else SDPA does)."""
+          is_causal: bool = False, mixed_dtypes: bool = False) -> bool:
+    """Whether the kernel computes this SDPA call (else SDPA does). ``mixed_dtypes``: q, k and v may differ
+    among fp32 and bf16 (the caller widens them first)."""
     if attn_mask is not None or not is_causal or dropout_p != 0.0 or not q.dim() == k.dim() == v.dim() == 4:
         return False
-    if q.dtype not in DTYPES or any(t.dtype != q.dtype or t.device.type != "cpu" or t.stride(-1) != 1
-                                    or t.requires_grad for t in (q, k, v)):
+    if any(t.dtype not in DTYPES or (t.dtype != q.dtype and not mixed_dtypes) or t.device.type != "cpu"
+           or t.stride(-1) != 1 or t.requires_grad or type(t) is not Tensor for t in (q, k, v)):
         return False
     (B, H, T, D), (Bk, G, Tk, Dk) = q.shape, k.shape
     return (T > 0 and G > 0 and D > 0 and (Bk, Tk, Dk) == (B, T, D) and tuple(v.shape) == (B, G, T, D)

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from seqlab.accel.calibrate import dtype_name, fastest, load_cache, store_cache
 from seqlab.accel.prefill_attention import HEAD_DIM_MULTIPLE, SIMD, TILES, causal_attention, takes
@@ -65,14 +66,14 @@ def available_isas() -> list[str]:
 
 def _heads_last(B: int, T: int, heads: int, D: int) -> Tensor:
     """An fp32 [B, heads, T, D] view of a [B, T, heads, D] tensor: the layout the model's projections give."""
-    return torch.empty(B, T, heads, D).transpose(1, 2)
+    return torch.empty(B, T, heads, D, dtype=torch.float32, device="cpu").transpose(1, 2)
 
 
 class _CausalAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, scale: float, isa: str) -> Tensor:
         B, H, T, _ = q.shape
-        lse = torch.empty(B, H, T)
+        lse = torch.empty(B, H, T, dtype=torch.float32, device="cpu")
         out = causal_attention(q, k, v, scale, isa, lse=lse)
         if out is None:
             raise RuntimeError("seqlab.accel: the training attention kernel could not allocate its scratch")
@@ -81,6 +82,7 @@ class _CausalAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # the C backward builds no graph: a second derivative must fail loudly, not vanish
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
@@ -96,21 +98,25 @@ class _CausalAttention(torch.autograd.Function):
 
 def trainable(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, dropout_p: float = 0.0,
               is_causal: bool = False, enable_gqa: bool = False) -> bool:
-    """Whether the kernel computes this SDPA call with its gradient (else SDPA does)."""
+    """Whether the kernel computes this SDPA call with its gradient (else SDPA does). fp32 and bf16 may mix (under
+    autocast a rotary model's queries and keys come out fp32, its values bf16): the kernel widens them all."""
     if torch.compiler.is_compiling() or not torch.is_grad_enabled():
         return False
     if not any(t.requires_grad for t in (q, k, v)) or (k.dim() == 4 and k.shape[1] != q.shape[1] and not enable_gqa):
         return False
-    return takes(q.detach(), k.detach(), v.detach(), attn_mask, dropout_p, is_causal)
+    return takes(q.detach(), k.detach(), v.detach(), attn_mask, dropout_p, is_causal,
+                 mixed_dtypes=torch.is_autocast_enabled("cpu"))  # outside autocast SDPA refuses mixed dtypes
 
 
-def causal_attention_trained(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None,
-                             isa: str = "avx2") -> Tensor:
-    """SDPA's ``is_causal`` result with autograd, on the kernels (the caller checked :func:`trainable`)."""
+def causal_attention_trained(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None, isa: str = "avx2",
+                             out_dtype: torch.dtype | None = None) -> Tensor:
+    """SDPA's ``is_causal`` result with autograd, on the kernels (the caller checked :func:`trainable`), in
+    ``out_dtype`` (default: q's). bf16 inputs are widened once and computed in fp32, and the output rounded once
+    (the prefill kernel's bf16 rule); their gradients come back in their own dtypes."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    if q.dtype == torch.bfloat16:  # widened once, computed in fp32, rounded once (the prefill kernel's bf16 rule)
-        return _CausalAttention.apply(q.float(), k.float(), v.float(), scale, isa).to(torch.bfloat16)
-    return _CausalAttention.apply(q, k, v, scale, isa)
+    out_dtype = q.dtype if out_dtype is None else out_dtype
+    out = _CausalAttention.apply(q.float(), k.float(), v.float(), scale, isa)
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
 class TrainAttention:
@@ -123,9 +129,11 @@ class TrainAttention:
     def __call__(self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
                  enable_gqa: bool = False) -> Tensor:
-        isa = self.builds.get(query.dtype)
+        # under autocast SDPA would compute in the autocast dtype: that is the dtype timed and the one returned
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+        isa = self.builds.get(dtype)
         if isa is not None and trainable(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
-            return causal_attention_trained(query, key, value, scale, isa)
+            return causal_attention_trained(query, key, value, scale, isa, dtype)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
@@ -169,7 +177,7 @@ def choose_train_attention(model: nn.Module, batch: int, length: int,
         return None, {}
     batch = max(1, min(batch, MAX_TIMED_TOKENS // length))
     shape = f"{cfg.n_heads}x{cfg.n_kv_heads}x{cfg.head_dim}|B={batch}|T={length}"
-    sources = native.source_key([SOURCE, FORWARD_SOURCE, SIMD, TILES])
+    sources = native.source_key([SOURCE, FORWARD_SOURCE, SIMD, TILES, Path(__file__)])
     sig = current_signature()
     builds, all_timings = {}, {}
     for dtype in dtypes:
