@@ -1,8 +1,8 @@
 """Causal self-attention for training, forward and backward in C, where it times faster than SDPA's.
 
 Why: once a training step's products run near the CPU's matmul peak, SDPA's CPU flash attention is a large part
-of what is left (about a third of GPT-2 small's non-product time under the AVX2 caps, a quarter of the d-256
-bf16 step; docs/acceleration.md). Its blocks are small and its backward recomputes them with a running softmax.
+of what is left (docs/acceleration.md has the shares). Its blocks are small and its backward recomputes them with
+a running softmax.
 Here the forward is the prefill kernel (``prefill_attention.c``), which also keeps each row's log-sum-exp, and
 the backward (``attention_backward.c``) recomputes each block of query rows' probabilities from it once and
 takes the three gradient products in register tiles over the causal half only. Same math as SDPA's (another
