@@ -174,18 +174,24 @@ def fastest(timings: dict[str, float], plain: str = "dense") -> str:
     return best if timings[best] < (1.0 - MIN_GAIN) * timings[plain] else plain
 
 
+def cached_timings(key: str, measure: Callable[[], dict[str, float]], use_cache: bool = True) -> dict[str, float]:
+    """The cache entry ``key`` of this CPU signature, where an earlier process stored it; else ``measure()``,
+    stored (and, where another process stored the entry meanwhile, that one: all end up with one choice)."""
+    sig = current_signature()
+    timings = dict(load_cache(sig).get(key, {})) if use_cache else {}
+    if not timings:
+        timings = measure()
+        if use_cache:
+            timings = dict(store_cache(sig, {key: timings})[key])
+    return timings
+
+
 def timings_by_size(key: str, sizes: Sequence[int], time_at: Callable[[int], dict[str, float]],
                     use_cache: bool = True) -> dict[str, float]:
     """``{"<candidate>@<size>": seconds}`` for every size, from ``time_at(size)`` (candidate -> seconds) or from the
     cache entry ``key`` of this CPU signature, where an earlier process stored it."""
-    sig = current_signature()
-    timings = dict(load_cache(sig).get(key, {})) if use_cache else {}
-    if not timings:
-        for n in sizes:
-            timings |= {f"{name}@{n}": s for name, s in time_at(n).items()}
-        if use_cache:
-            timings = dict(store_cache(sig, {key: timings})[key])
-    return timings
+    return cached_timings(key, lambda: {f"{name}@{n}": s for n in sizes for name, s in time_at(n).items()},
+                          use_cache)
 
 
 def winning_from(timings: dict[str, float], builds: Sequence[str], sizes: Sequence[int], plain: str,

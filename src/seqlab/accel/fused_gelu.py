@@ -16,10 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from seqlab.accel.calibrate import dtype_name, fastest, load_cache, store_cache
+from seqlab.accel.calibrate import cached_timings, dtype_name, fastest
 from seqlab.model.layers import MLP, activation_fn
 from seqlab.runtime import native
-from seqlab.runtime.cpu import current_signature
 
 SOURCE = Path(__file__).with_name("gelu.c")
 SIMD = Path(__file__).with_name("simd.h")
@@ -114,14 +113,10 @@ def choose_gelu(model: torch.nn.Module, rows: int, dtype: torch.dtype,
     if not mlps or not isas or dtype not in _DTYPES:
         return None, {}
     width, rows = mlps[0].d_ff, min(int(rows), MAX_TIMED_ROWS)
-    key, sig = f"gelu_tanh|train|{dtype_name(dtype)}|rows={rows}|width={width}|{native.source_key([SOURCE, SIMD])}", \
-        current_signature()
-    timings = dict(load_cache(sig).get(key, {})) if use_cache else {}
+    key = f"gelu_tanh|train|{dtype_name(dtype)}|rows={rows}|width={width}|{native.source_key([SOURCE, SIMD])}"
     candidates = {isa: FusedGeluTanh(isa) for isa in isas}
-    if not timings:
-        timings = time_gelus(rows, width, dtype, {"torch": activation_fn("gelu_tanh"), **candidates})
-        if use_cache:
-            timings = dict(store_cache(sig, {key: timings})[key])
+    timings = cached_timings(
+        key, lambda: time_gelus(rows, width, dtype, {"torch": activation_fn("gelu_tanh"), **candidates}), use_cache)
     best = fastest({k: v for k, v in timings.items() if k == "torch" or k in candidates}, plain="torch")
     return candidates.get(best), timings
 

@@ -120,7 +120,7 @@ int seqlab_causal_attention(const Attention *a, int nthreads) {
             for (int64_t g = 0; g < G; g++) {
                 const int64_t k0 = b * a->k_strides[0] + g * a->k_strides[1];
                 const int64_t v0 = b * a->v_strides[0] + g * a->v_strides[1];
-                const void *k = bf16 ? (const void *)((const uint16_t *)a->k + k0) : (const void *)((const float *)a->k + k0);
+                const void *k = (const char *)a->k + k0 * (bf16 ? sizeof(uint16_t) : sizeof(float));
                 transpose_rows(k, a->k_strides[2], bf16, T, D, kt + (b * G + g) * D * tpad, tpad);
                 if (bf16)
                     for (int64_t j = 0; j < T; j++)

@@ -15,10 +15,9 @@ import torch
 from torch import nn
 
 from seqlab.accel import fused_step
-from seqlab.accel.calibrate import fastest, load_cache, store_cache
+from seqlab.accel.calibrate import cached_timings, fastest
 from seqlab.generate.engine import decode_step, prefill
 from seqlab.runtime import native
-from seqlab.runtime.cpu import current_signature
 
 PLAIN = "plain"
 STEP_BUDGET_S = 0.4  # about this long per candidate, over ROUNDS interleaved rounds
@@ -70,13 +69,8 @@ def choose_fused(model: nn.Module, rows: int, use_cache: bool = True) -> tuple[f
     isas = fused_step.available_isas()
     if not isas:
         return None, {}
-    key, sig = step_key(model, rows), current_signature()
-    timings = dict(load_cache(sig).get(key, {})) if use_cache else {}
     candidates = {isa: fused_step.FusedDecodeStep(model, isa) for isa in isas}
-    if not timings:
-        steps = {PLAIN: lambda t, c: decode_step(model, t, c), **candidates}
-        timings = time_steps(model, rows, steps)
-        if use_cache:
-            timings = dict(store_cache(sig, {key: timings})[key])
+    steps = {PLAIN: lambda t, c: decode_step(model, t, c), **candidates}
+    timings = cached_timings(step_key(model, rows), lambda: time_steps(model, rows, steps), use_cache)
     best = fastest({k: v for k, v in timings.items() if k == PLAIN or k in candidates}, plain=PLAIN)
     return candidates.get(best), timings

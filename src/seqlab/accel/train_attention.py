@@ -27,13 +27,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from seqlab.accel.calibrate import dtype_name, fastest, load_cache, store_cache
+from seqlab.accel.calibrate import cached_timings, dtype_name, fastest
 from seqlab.accel.prefill_attention import HEAD_DIM_MULTIPLE, SIMD, TILES, causal_attention, takes
 from seqlab.accel.prefill_attention import SOURCE as FORWARD_SOURCE
 from seqlab.accel.prefill_attention import library as forward_library
 from seqlab.model.attention import SelfAttention
 from seqlab.runtime import native
-from seqlab.runtime.cpu import current_signature
 
 SOURCE = Path(__file__).with_name("attention_backward.c")
 ROUNDS = 3
@@ -178,17 +177,13 @@ def choose_train_attention(model: nn.Module, batch: int, length: int,
     batch = max(1, min(batch, MAX_TIMED_TOKENS // length))
     shape = f"{cfg.n_heads}x{cfg.n_kv_heads}x{cfg.head_dim}|B={batch}|T={length}"
     sources = native.source_key([SOURCE, FORWARD_SOURCE, SIMD, TILES, Path(__file__)])
-    sig = current_signature()
     builds, all_timings = {}, {}
     for dtype in dtypes:
         key = f"train-attention|{shape}|{dtype_name(dtype)}|{'+'.join(isas)}|{sources}"
-        timings = dict(load_cache(sig).get(key, {})) if use_cache else {}
         candidates = {isa: TrainAttention({dtype: isa}) for isa in isas}
-        if not timings:
-            timings = time_train_attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, batch, length, dtype,
-                                           {"sdpa": F.scaled_dot_product_attention, **candidates})
-            if use_cache:
-                timings = dict(store_cache(sig, {key: timings})[key])
+        timings = cached_timings(key, lambda: time_train_attention(
+            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, batch, length, dtype,
+            {"sdpa": F.scaled_dot_product_attention, **candidates}), use_cache)
         best = fastest({k: v for k, v in timings.items() if k == "sdpa" or k in candidates}, plain="sdpa")
         if best in candidates:
             builds[dtype] = best
