@@ -37,19 +37,22 @@ STEP_MODELS = {"d256": dict(vocab=8192, d_model=256, n_layers=4, n_heads=4),
                "gpt2-small": dict(vocab=50257, d_model=768, n_layers=12, n_heads=12)}
 
 
-def time_layer(batch: int, length: int, heads: int, head_dim: int, rounds: int) -> list[dict]:
-    """Best forward and backward seconds of SDPA and of each kernel build on one layer's causal attention."""
+def time_layer(batch: int, length: int, heads: int, head_dim: int, rounds: int, kv_heads: int | None = None
+               ) -> list[dict]:
+    """Best forward and backward seconds of SDPA and of each kernel build on one layer's causal attention
+    (``kv_heads`` below ``heads``: grouped-query, or multi-query at 1)."""
+    kv = kv_heads or heads
     g = torch.Generator().manual_seed(0)
-    qkv = torch.randn(batch, length, 3 * heads, head_dim, generator=g).requires_grad_()
+    qkv = torch.randn(batch, length, heads + 2 * kv, head_dim, generator=g).requires_grad_()
     grad = torch.randn(batch, heads, length, head_dim, generator=g)
     candidates = {"SDPA": F.scaled_dot_product_attention,
                   **{f"seqlab ({isa})": TrainAttention({torch.float32: isa}) for isa in available_isas()}}
     best = {name: [float("inf"), float("inf")] for name in candidates}
     for r in range(rounds + 1):  # round 0 warms up
         for name, attend in candidates.items():
-            q, k, v = (t.transpose(1, 2) for t in qkv.split(heads, dim=2))
+            q, k, v = (t.transpose(1, 2) for t in qkv.split((heads, kv, kv), dim=2))
             t0 = time.perf_counter()
-            out = attend(q, k, v, is_causal=True)
+            out = attend(q, k, v, is_causal=True, enable_gqa=kv != heads)
             t1 = time.perf_counter()
             out.backward(grad)
             t2 = time.perf_counter()
@@ -89,9 +92,10 @@ def time_step(model_name: str, precision: str, rounds: int) -> dict:
 
 def measure(args) -> dict:
     torch.set_num_threads(args.threads)
-    result = {"batch": args.batch, "length": args.length, "heads": args.heads, "head_dim": args.head_dim,
-              "threads": args.threads, "layer": time_layer(args.batch, args.length, args.heads, args.head_dim,
-                                                           args.rounds), "steps": []}
+    kv = args.kv_heads or args.heads
+    result = {"batch": args.batch, "length": args.length, "heads": args.heads, "kv_heads": kv,
+              "head_dim": args.head_dim, "threads": args.threads,
+              "layer": time_layer(args.batch, args.length, args.heads, args.head_dim, args.rounds, kv), "steps": []}
     if args.step:
         precisions = [p for p in args.step_precisions.split(",") if p == "fp32" or native_bf16()]
         result["steps"] = [time_step(args.step, p, args.step_rounds) for p in precisions]
@@ -99,8 +103,10 @@ def measure(args) -> dict:
 
 
 def table(result: dict) -> str:
+    kv = result.get("kv_heads", result["heads"])
     lines = [f"one layer: {result['batch']} x {result['length']} tokens, {result['heads']} heads x "
-             f"{result['head_dim']}, {result['threads']} threads", "",
+             f"{result['head_dim']}" + (f" reading {kv} kv heads" if kv != result["heads"] else "")
+             + f", {result['threads']} threads", "",
              "| candidate | forward ms | backward ms | forward + backward | GFLOP/s fwd / bwd (causal half) |",
              "|---|---|---|---|---|"]
     base = result["layer"][0]["forward_ms"] + result["layer"][0]["backward_ms"]
@@ -120,6 +126,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--length", type=int, default=256)
     ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--kv-heads", type=int, default=None,
+                    help="key/value heads (default: --heads); fewer is grouped-query attention, 1 multi-query")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--step", choices=sorted(STEP_MODELS), default=None,

@@ -47,6 +47,22 @@ def test_values_and_gradients_are_sdpas_in_fp32(isa, B, H, G, T, D):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+@pytest.mark.parametrize("B,H,G,T", [(1, 4, 1, 300), (1, 6, 3, 200), (3, 2, 1, 100)])
+def test_fewer_kv_heads_than_threads_split_their_query_blocks(isa, threads, B, H, G, T):
+    """Where the batch's kv heads do not share out evenly over the threads (MQA at batch 1), each kv head's query
+    blocks are cut into slices whose dK and dV are summed at the end: still SDPA's gradients, at any thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        (want, want_grad), (got, got_grad) = _sdpa_and_kernel(isa, B, H, G, T, 64, torch.float32)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got_grad, want_grad, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_bf16_is_computed_in_fp32_and_rounded_once(isa):
     """bf16 inputs are widened: output and gradients are fp32 attention's on the same (bf16-valued) inputs, each
     rounded to bf16 once at the end (so within a bf16 rounding of values of a few units)."""

@@ -2,9 +2,11 @@
  * log-sum-exp: with P = softmax(scale q k^T) recomputed from the log-sum-exp,
  *   dV = P^T dO,   dS = P * (dO V^T - rowsum(dO * O)),   dQ = scale dS K,   dK = scale dS^T Q.
  * Each task is one batch row's kv head, with every query head that reads it (grouped-query heads add into the
- * same dK and dV, so no two tasks write one row). Per block of BQ query rows it computes the scores and dO V^T
- * in the lower triangle only, in the register tiles of the forward, and the three products from them; K and V are
- * transposed once per task. Everything is fp32. */
+ * same dK and dV, so no two tasks write one row). Where those tasks would leave threads idle (one kv head at batch
+ * 1: MQA), each kv head's query blocks are cut into slices of about equal causal work, and a slice after the first
+ * adds into its own dK and dV scratch, summed in at the end. Per block of BQ query rows a task computes the scores
+ * and dO V^T in the lower triangle only, in the register tiles of the forward, and the three products from them;
+ * K and V are transposed once per task. Everything is fp32. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -13,6 +15,7 @@
 #include "attention_tiles.h"
 
 #define BQ 48 /* query rows per block (the forward's block) */
+#define MAX_SLICES 8
 
 typedef struct {
     const float *q, *k, *v, *out, *dout, *lse; /* lse: [batch, n_heads, len], contiguous */
@@ -65,6 +68,25 @@ static inline void columns_by_rows(const float *a, int64_t ld_a, const float *x,
     }
 }
 
+/* Slices per kv head: 1 where the B x G tasks already share out evenly over the threads, else the fewest that
+ * make the task count a multiple of the thread count (at most MAX_SLICES, and no more than the query blocks). */
+static int64_t slices_per_head(int64_t tasks, int64_t nqb, int nthreads) {
+    if (nthreads <= 1 || tasks % nthreads == 0) return 1;
+    int64_t s = 2;
+    while (s < MAX_SLICES && (tasks * s) % nthreads) s++;
+    return s < nqb ? s : nqb;
+}
+
+/* The first query block of slice `s` of `slices`: block b costs about b + 1 units (its causal keys), so slices
+ * start where the running sum passes each s / slices of the whole. */
+static int64_t slice_start(int64_t nqb, int64_t s, int64_t slices) {
+    if (s >= slices) return nqb;
+    const double goal = (double)s / (double)slices * (double)(nqb * (nqb + 1) / 2);
+    int64_t b = 0;
+    for (double done = 0.0; b < nqb && done < goal; b++) done += (double)(b + 1);
+    return b;
+}
+
 /* Returns 0, or -1 where the shape is not one this kernel takes (head_dim not a multiple of NR) or memory ran out. */
 int seqlab_causal_attention_backward(const AttentionGrad *a, int nthreads) {
     const int64_t B = a->batch, H = a->n_heads, G = a->n_kv, T = a->len, D = a->head_dim;
@@ -72,6 +94,19 @@ int seqlab_causal_attention_backward(const AttentionGrad *a, int nthreads) {
     const int64_t group = H / G, mq = round_up(BQ, MR);
     /* score rows: every key, plus a tile's worth of zero columns that the transposed products may read past i1 */
     const int64_t ld = round_up(T, NR) + NR;
+    const int64_t nqb = (T + BQ - 1) / BQ, slices = slices_per_head(B * G, nqb, nthreads);
+    /* dK and dV of the slices after the first: [B * G][slices - 1][T][D] each */
+    float *part_k = NULL, *part_v = NULL;
+    if (slices > 1) {
+        const size_t n = (size_t)round_up(B * G * (slices - 1) * T * D, 16) * sizeof(float);
+        part_k = aligned_alloc(64, n);
+        part_v = aligned_alloc(64, n);
+        if (!part_k || !part_v) {
+            free(part_k);
+            free(part_v);
+            return -1;
+        }
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -88,18 +123,28 @@ int seqlab_causal_attention_backward(const AttentionGrad *a, int nthreads) {
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < B * G; task++) {
+        for (int64_t task = 0; task < B * G * slices; task++) {
             if (!ok) continue;
-            const int64_t b = task / G, g = task % G;
+            const int64_t bg = task / slices, slice = task % slices, b = bg / G, g = bg % G;
+            const int64_t qb0 = slice_start(nqb, slice, slices), qb1 = slice_start(nqb, slice + 1, slices);
+            const int64_t seen = qb1 * BQ < T ? qb1 * BQ : T; /* keys the slice's blocks see: 0 .. seen */
             const float *k = a->k + b * a->k_strides[0] + g * a->k_strides[1];
             const float *v = a->v + b * a->v_strides[0] + g * a->v_strides[1];
-            float *dk = a->dk + b * a->dk_strides[0] + g * a->dk_strides[1];
-            float *dv = a->dv + b * a->dv_strides[0] + g * a->dv_strides[1];
+            float *dk, *dv;
+            int64_t dk_st, dv_st, zeroed;
+            if (slice == 0) { /* the first slice owns the outputs, and zeroes every row of them */
+                dk = a->dk + b * a->dk_strides[0] + g * a->dk_strides[1];
+                dv = a->dv + b * a->dv_strides[0] + g * a->dv_strides[1];
+                dk_st = a->dk_strides[2], dv_st = a->dv_strides[2], zeroed = T;
+            } else {
+                dk = part_k + (bg * (slices - 1) + slice - 1) * T * D;
+                dv = part_v + (bg * (slices - 1) + slice - 1) * T * D;
+                dk_st = dv_st = D, zeroed = seen;
+            }
             const int64_t k_st = a->k_strides[2], v_st = a->v_strides[2];
-            const int64_t dk_st = a->dk_strides[2], dv_st = a->dv_strides[2];
-            transpose_rows(k, k_st, 0, T, D, kt, ld);
-            transpose_rows(v, v_st, 0, T, D, vt, ld);
-            for (int64_t j = 0; j < T; j++) {
+            transpose_rows(k, k_st, 0, seen, D, kt, ld);
+            transpose_rows(v, v_st, 0, seen, D, vt, ld);
+            for (int64_t j = 0; j < zeroed; j++) {
                 memset(dk + j * dk_st, 0, (size_t)D * sizeof(float));
                 memset(dv + j * dv_st, 0, (size_t)D * sizeof(float));
             }
@@ -109,7 +154,7 @@ int seqlab_causal_attention_backward(const AttentionGrad *a, int nthreads) {
                 const float *dout = a->dout + b * a->dout_strides[0] + h * a->dout_strides[1];
                 const float *lse = a->lse + (b * H + h) * T;
                 float *dq = a->dq + b * a->dq_strides[0] + h * a->dq_strides[1];
-                for (int64_t i0 = 0; i0 < T; i0 += BQ) {
+                for (int64_t i0 = qb0 * BQ; i0 < seen; i0 += BQ) {
                     const int64_t rows = (i0 + BQ < T ? i0 + BQ : T) - i0, mrows = round_up(rows, MR);
                     const int64_t i1 = i0 + rows, cols = round_up(i1, NR);
                     for (int64_t r = 0; r < mrows; r++) {
@@ -176,6 +221,24 @@ int seqlab_causal_attention_backward(const AttentionGrad *a, int nthreads) {
         free(dos);
         free(p);
         free(ds);
+        if (slices > 1) { /* the later slices' dK and dV into the outputs, row by row (after the loop's barrier) */
+#pragma omp for schedule(static)
+            for (int64_t row = 0; row < B * G * T; row++) {
+                const int64_t bg = row / T, j = row % T, b = bg / G, g = bg % G;
+                float *dk = a->dk + b * a->dk_strides[0] + g * a->dk_strides[1] + j * a->dk_strides[2];
+                float *dv = a->dv + b * a->dv_strides[0] + g * a->dv_strides[1] + j * a->dv_strides[2];
+                for (int64_t slice = 1; slice < slices; slice++) {
+                    if (j >= slice_start(nqb, slice + 1, slices) * BQ) continue; /* a key the slice never saw */
+                    const int64_t at = ((bg * (slices - 1) + slice - 1) * T + j) * D;
+                    for (int64_t d = 0; d < D; d += VL) {
+                        vstore(dk + d, vadd(vload(dk + d), vload(part_k + at + d)));
+                        vstore(dv + d, vadd(vload(dv + d), vload(part_v + at + d)));
+                    }
+                }
+            }
+        }
     }
+    free(part_k);
+    free(part_v);
     return failed ? -1 : 0;
 }
