@@ -68,10 +68,11 @@ static inline void columns_by_rows(const float *a, int64_t ld_a, const float *x,
     }
 }
 
-/* Slices per kv head: 1 where the B x G tasks already share out evenly over the threads, else the fewest that
- * make the task count a multiple of the thread count (at most MAX_SLICES, and no more than the query blocks). */
+/* Slices per kv head: 1 where the B x G tasks already share out evenly over the threads (or are so many that the
+ * last round's idle threads cost little), else the fewest that make the task count a multiple of the thread count
+ * (at most MAX_SLICES, and no more than the query blocks). */
 static int64_t slices_per_head(int64_t tasks, int64_t nqb, int nthreads) {
-    if (nthreads <= 1 || tasks % nthreads == 0) return 1;
+    if (nthreads <= 1 || tasks % nthreads == 0 || tasks >= 4 * nthreads) return 1;
     int64_t s = 2;
     while (s < MAX_SLICES && (tasks * s) % nthreads) s++;
     return s < nqb ? s : nqb;
