@@ -96,6 +96,8 @@ int seqlab_causal_attention_backward(const AttentionGrad *a, int nthreads) {
     /* score rows: every key, plus a tile's worth of zero columns that the transposed products may read past i1 */
     const int64_t ld = round_up(T, NR) + NR;
     const int64_t nqb = (T + BQ - 1) / BQ, slices = slices_per_head(B * G, nqb, nthreads);
+    int64_t first[MAX_SLICES + 1]; /* slice s runs query blocks first[s] .. first[s + 1] */
+    for (int64_t s = 0; s <= slices; s++) first[s] = slice_start(nqb, s, slices);
     /* dK and dV of the slices after the first: [B * G][slices - 1][T][D] each */
     float *part_k = NULL, *part_v = NULL;
     if (slices > 1) {
@@ -127,8 +129,7 @@ int seqlab_causal_attention_backward(const AttentionGrad *a, int nthreads) {
         for (int64_t task = 0; task < B * G * slices; task++) {
             if (!ok) continue;
             const int64_t bg = task / slices, slice = task % slices, b = bg / G, g = bg % G;
-            const int64_t qb0 = slice_start(nqb, slice, slices), qb1 = slice_start(nqb, slice + 1, slices);
-            const int64_t seen = qb1 * BQ < T ? qb1 * BQ : T; /* keys the slice's blocks see: 0 .. seen */
+            const int64_t seen = first[slice + 1] * BQ < T ? first[slice + 1] * BQ : T; /* keys it sees: 0 .. seen */
             const float *k = a->k + b * a->k_strides[0] + g * a->k_strides[1];
             const float *v = a->v + b * a->v_strides[0] + g * a->v_strides[1];
             float *dk, *dv;
@@ -155,7 +156,7 @@ int seqlab_causal_attention_backward(const AttentionGrad *a, int nthreads) {
                 const float *dout = a->dout + b * a->dout_strides[0] + h * a->dout_strides[1];
                 const float *lse = a->lse + (b * H + h) * T;
                 float *dq = a->dq + b * a->dq_strides[0] + h * a->dq_strides[1];
-                for (int64_t i0 = qb0 * BQ; i0 < seen; i0 += BQ) {
+                for (int64_t i0 = first[slice] * BQ; i0 < seen; i0 += BQ) {
                     const int64_t rows = (i0 + BQ < T ? i0 + BQ : T) - i0, mrows = round_up(rows, MR);
                     const int64_t i1 = i0 + rows, cols = round_up(i1, NR);
                     for (int64_t r = 0; r < mrows; r++) {
@@ -229,7 +230,7 @@ int seqlab_causal_attention_backward(const AttentionGrad *a, int nthreads) {
                 float *dk = a->dk + b * a->dk_strides[0] + g * a->dk_strides[1] + j * a->dk_strides[2];
                 float *dv = a->dv + b * a->dv_strides[0] + g * a->dv_strides[1] + j * a->dv_strides[2];
                 for (int64_t slice = 1; slice < slices; slice++) {
-                    if (j >= slice_start(nqb, slice + 1, slices) * BQ) continue; /* a key the slice never saw */
+                    if (j >= first[slice + 1] * BQ) continue; /* a key the slice never saw */
                     const int64_t at = ((bg * (slices - 1) + slice - 1) * T + j) * D;
                     for (int64_t d = 0; d < D; d += VL) {
                         vstore(dk + d, vadd(vload(dk + d), vload(part_k + at + d)));
