@@ -112,6 +112,27 @@ def test_each_length_takes_its_winner_and_the_timings_are_cached(monkeypatch):
     assert choose_prefill_cast(long_context_model())[0] == cast
 
 
+def test_a_route_that_stops_winning_gives_way_to_plain_products(monkeypatch):
+    """A Zen 3 EPYC's 6-layer case: oneDNN's fp32 13 % ahead at 64 tokens, 3 % behind MKL at 256 -> plain from 256.
+    A lead under the 1.1x margin at a longer length keeps the route (the margin is for taking one, not keeping it)."""
+    times = {64: {"fp32": 0.0363, "onednn": 0.0321}, 256: {"fp32": 0.0823, "onednn": 0.0851}}
+    monkeypatch.setattr(accel_prefill, "time_prefills",
+                        lambda model, length, casts: {k: times[length][k] for k in casts})
+    cast, _ = choose_prefill_cast(long_context_model(), allow_bf16=False)
+    assert cast == PrefillCast(torch.float32, 64, PrefillCast(None, 256))
+    assert cast.label == "64+ tokens in fp32 on oneDNN, 256+ in plain fp32"
+    with cast.context(255):
+        assert accel_prefill._ONEDNN.get()
+    for n in (256, 4096):
+        with cast.context(n), cast.head_context(n):
+            assert not accel_prefill._ONEDNN.get() and not torch.is_autocast_enabled("cpu")
+    times[256]["onednn"] = 0.080  # ahead, though by less than the margin
+    assert choose_prefill_cast(long_context_model(), use_cache=False, allow_bf16=False)[0] == PrefillCast(
+        torch.float32, 64)
+    times[64]["onednn"] = 0.035  # no winner at 64 either: plain throughout
+    assert choose_prefill_cast(long_context_model(), use_cache=False, allow_bf16=False)[0] is None
+
+
 def test_bf16_must_beat_the_best_fp32_route_not_just_mkl(monkeypatch):
     """An AMD EPYC's case: oneDNN's fp32 is 2x MKL's; bf16 is 2.2x MKL's but only 1.1x oneDNN's -> fp32 on oneDNN."""
     monkeypatch.setattr(accel_prefill, "native_bf16", lambda: True)

@@ -101,16 +101,17 @@ def uninstall(model: nn.Module) -> bool:
 @dataclass(frozen=True)
 class PrefillCast:
     """Run prefills of at least ``min_tokens`` tokens (rows x length) with products in ``dtype``: bf16 under
-    autocast, or fp32 on oneDNN; prompts of at least ``longer.min_tokens`` take ``longer``'s route instead."""
+    autocast, fp32 on oneDNN, or None: the plain products (a step after one where the faster route stops winning);
+    prompts of at least ``longer.min_tokens`` take ``longer``'s route instead."""
 
-    dtype: torch.dtype
+    dtype: torch.dtype | None
     min_tokens: int
     longer: PrefillCast | None = None
 
     def context(self, n_tokens: int) -> contextlib.AbstractContextManager:
         if self.longer is not None and n_tokens >= self.longer.min_tokens:
             return self.longer.context(n_tokens)
-        if n_tokens < self.min_tokens:
+        if n_tokens < self.min_tokens or self.dtype is None:
             return contextlib.nullcontext()
         if self.dtype == torch.float32:
             return onednn_products()
@@ -129,7 +130,7 @@ class PrefillCast:
 
     @property
     def route(self) -> str:
-        return "fp32 on oneDNN" if self.dtype == torch.float32 else "bf16"
+        return {None: "plain fp32", torch.float32: "fp32 on oneDNN"}.get(self.dtype, "bf16")
 
     @property
     def label(self) -> str:
@@ -200,17 +201,26 @@ def _installed(model: nn.Module, cast: PrefillCast | None):
             model.prefill_cast = before
 
 
-def _winner(timings: dict[str, float], length: int) -> PrefillCast | None:
-    """The route for prompts of ``length`` tokens: bf16 where it beats the best fp32 route by MIN_SPEEDUP, else
-    oneDNN's fp32 where it beats MKL's by ONEDNN_MIN_SPEEDUP, else None (plain)."""
+_ROUTE_NAMES = {None: "fp32", torch.float32: "onednn", torch.bfloat16: "bf16"}
+
+
+def _winner(timings: dict[str, float], length: int, current: torch.dtype | None = None) -> torch.dtype | None:
+    """The route for prompts of ``length`` tokens (None: plain): bf16 where it beats the best fp32 route by
+    MIN_SPEEDUP, else oneDNN's fp32 where it beats MKL's by ONEDNN_MIN_SPEEDUP. The margins guard the choice of a
+    route, not the keeping of one: the route of shorter prompts (``current``) goes on while it is at least as fast
+    as the winner here, and gives way where it measures slower."""
     fp32, onednn, bf16 = (timings.get(f"{name}@{length}") for name in ("fp32", "onednn", "bf16"))
     if fp32 is None:
-        return None
+        return current
     onednn_wins = onednn is not None and onednn * ONEDNN_MIN_SPEEDUP <= fp32
     best_fp32 = onednn if onednn_wins else fp32
-    if bf16 is not None and bf16 * MIN_SPEEDUP <= best_fp32:
-        return PrefillCast(torch.bfloat16, length)
-    return PrefillCast(torch.float32, length) if onednn_wins else None
+    winner = torch.bfloat16 if bf16 is not None and bf16 * MIN_SPEEDUP <= best_fp32 else (
+        torch.float32 if onednn_wins else None)
+    kept = timings.get(f"{_ROUTE_NAMES[current]}@{length}")
+    if current is not None and winner != current and kept is not None and kept <= timings[
+            f"{_ROUTE_NAMES[winner]}@{length}"]:
+        return current
+    return winner
 
 
 def choose_prefill_cast(model: nn.Module, use_cache: bool = True, allow_bf16: bool = True
@@ -229,9 +239,9 @@ def choose_prefill_cast(model: nn.Module, use_cache: bool = True, allow_bf16: bo
                               lambda n: time_prefills(model, n, casts), use_cache)
     steps: list[PrefillCast] = []
     for length in LENGTHS:
-        cast = _winner(timings, length)
-        if cast is not None and (not steps or cast.dtype != steps[-1].dtype):
-            steps.append(cast)  # (a length with no winner after one: longer prompts only gain more, keep it)
+        dtype = _winner(timings, length, steps[-1].dtype if steps else None)
+        if dtype != (steps[-1].dtype if steps else None):
+            steps.append(PrefillCast(dtype, length))  # a faster route from here on, or plain where it stops winning
     chained = None
     for cast in reversed(steps):
         chained = PrefillCast(cast.dtype, cast.min_tokens, chained)
