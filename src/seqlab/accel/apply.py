@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from seqlab.accel.calibrate import dtype_name, fastest, load_cache, shape_key, store_cache, time_routes
+from seqlab.accel.cross_entropy import choose_cross_entropy
 from seqlab.accel.fused_gelu import choose_gelu
 from seqlab.accel.fused_gelu import install as install_gelu
 from seqlab.accel.fused_gelu import uninstall as uninstall_gelu
@@ -98,6 +99,10 @@ class AccelPlan:
     # ("fp32 sdpa", "fp32 avx2", ...), and what runs ("" when SDPA stays)
     train_attention_s: dict[str, float] = field(default_factory=dict)
     train_attention: str = ""
+    # training: the loss's cross-entropy and gradient (seqlab.accel.cross_entropy), seconds per forward + backward
+    # ("fp32 torch", "fp32 avx2", ...), and what runs ("" when torch's route stays)
+    cross_entropy_s: dict[str, float] = field(default_factory=dict)
+    cross_entropy: str = ""
 
     def route_for(self, in_features: int, out_features: int) -> str:
         if not self.kept or self.fused:
@@ -124,6 +129,9 @@ class AccelPlan:
             times = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.train_attention_s.items())
             lines.append(f"  causal attention (one layer, forward + backward): {times}; "
                          f"{self.train_attention or 'SDPA'} runs")
+        if self.cross_entropy_s:
+            times = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.cross_entropy_s.items())
+            lines.append(f"  loss cross-entropy (forward + backward): {times}; {self.cross_entropy or 'torch'} runs")
         if self.attention_s:
             times = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.attention_s.items())
             lines.append(f"  prefill attention (one prompt, all heads): {times}; {self.attention}")
@@ -220,7 +228,7 @@ def restore_plain(model: nn.Module) -> nn.Module:
     uninstall_pointwise(model)
     uninstall_attention(model)
     uninstall_routing(model)
-    for attr in ("accel_plan", "fused_decode", "prefill_cast", "prefill_attention"):
+    for attr in ("accel_plan", "fused_decode", "prefill_cast", "prefill_attention", "cross_entropy_kernel"):
         if attr in model.__dict__:
             delattr(model, attr)
     return model
@@ -340,5 +348,9 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
         if attend is not None:
             install_train_attention(model, attend)
             plan.train_attention = repr(attend)
+        loss_kernel, plan.cross_entropy_s = choose_cross_entropy(model, plan.rows, dtypes, use_cache)
+        if loss_kernel is not None:
+            model.cross_entropy_kernel = loss_kernel  # read by the objectives (seqlab.objectives.loss)
+            plan.cross_entropy = repr(loss_kernel)
     model.accel_plan = plan
     return model

@@ -19,7 +19,8 @@ from torch import Tensor
 
 from seqlab.data.collate import PADDING_SIDES, pad_labels, pad_sequences, pad_with_mask
 from seqlab.objectives.base import BaseObjective
-from seqlab.objectives.loss import IGNORE_INDEX, ObjectiveOutput, count_bytes, token_cross_entropy
+from seqlab.objectives.loss import (IGNORE_INDEX, ObjectiveOutput, count_bytes, cross_entropy_kernel,
+                                    token_cross_entropy)
 
 
 def next_token_labels(labels: Tensor, document_ids: Tensor | None = None,
@@ -104,6 +105,6 @@ class CausalLM(BaseObjective):
     def loss(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> ObjectiveOutput:
         logits = self.forward(model, batch)
         targets = self.targets(batch)
-        loss_sum, n = token_cross_entropy(logits, _pad_last(targets))
+        loss_sum, n = token_cross_entropy(logits, _pad_last(targets), cross_entropy_kernel(model))
         return ObjectiveOutput(loss_sum, n, {"loss": float(loss_sum.detach()) / max(n, 1)},
                                count_bytes(targets, self.byte_table))

@@ -14,6 +14,7 @@ micro-batch (DDP averages gradients over ranks, hence the ``world_size``). The r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +24,12 @@ from torch import Tensor
 from seqlab.data.collate import IGNORE_INDEX
 from seqlab.runtime.memory import ScratchPool
 
-__all__ = ["IGNORE_INDEX", "ObjectiveOutput", "token_cross_entropy", "sequence_logprobs", "count_bytes"]
+__all__ = ["IGNORE_INDEX", "ObjectiveOutput", "token_cross_entropy", "sequence_logprobs", "count_bytes",
+           "cross_entropy_kernel"]
+
+# (logits [N, V], labels [N], grad [N, V] to fill with softmax - onehot) -> the [N] fp32 row losses, or None where
+# it does not take these tensors: a kernel installed from outside (seqlab.accel.cross_entropy)
+RowCrossEntropy = Callable[[Tensor, Tensor, Tensor], "Tensor | None"]
 
 
 @dataclass
@@ -43,12 +49,20 @@ class ObjectiveOutput:
         return self.loss_sum / max(self.n_targets, 1)
 
 
-def token_cross_entropy(logits: Tensor, labels: Tensor) -> tuple[Tensor, int]:
+def cross_entropy_kernel(model: torch.nn.Module) -> RowCrossEntropy | None:
+    """The CE kernel put on ``model`` from outside (``seqlab.accel``), if any; a DDP/FSDP wrapper's inner model
+    is looked at too."""
+    return getattr(getattr(model, "module", model), "cross_entropy_kernel", None)
+
+
+def token_cross_entropy(logits: Tensor, labels: Tensor, kernel: RowCrossEntropy | None = None
+                        ) -> tuple[Tensor, int]:
     """Sum of -log p(label) over positions whose label is not IGNORE_INDEX, and how many there are.
 
     ``logits`` [..., V] and ``labels`` [...] are already aligned (no shift here). Only the valid rows are gathered
     before the softmax, so padded or prompt positions cost no softmax work; the softmax runs in fp32 whatever the
-    model dtype, because bf16 log-probabilities lose ~3 significant digits.
+    model dtype, because bf16 log-probabilities lose ~3 significant digits. ``kernel`` (see
+    :func:`cross_entropy_kernel`) computes the fused gradient's softmax where it takes the tensors.
     """
     valid = labels != IGNORE_INDEX
     n = int(valid.sum())
@@ -59,7 +73,7 @@ def token_cross_entropy(logits: Tensor, labels: Tensor) -> tuple[Tensor, int]:
         # forward and scatter them back in the backward pass
         flat, flat_labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
         if flat.requires_grad and torch.is_grad_enabled() and flat.dtype in (torch.float32, torch.bfloat16):
-            return _CrossEntropySum.apply(flat, flat_labels), n
+            return _CrossEntropySum.apply(flat, flat_labels, kernel), n
         return F.cross_entropy(flat.float(), flat_labels, ignore_index=IGNORE_INDEX, reduction="sum"), n
     picked = logits[valid].float()
     return F.cross_entropy(picked, labels[valid], reduction="sum"), n
@@ -102,7 +116,15 @@ class _CrossEntropySum(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor) -> Tensor:
+    def forward(ctx, logits: Tensor, labels: Tensor, kernel: RowCrossEntropy | None = None) -> Tensor:
+        if kernel is not None and _pooled(logits):
+            grad = _SCRATCH.take(logits.shape, logits.dtype)
+            nll = kernel(logits, labels, grad)
+            if nll is not None:  # the same gradient, formed in one pass per row
+                ctx.save_for_backward(grad)
+                ctx.used = False
+                return nll.sum()
+            del grad
         valid = labels != IGNORE_INDEX
         safe = labels.masked_fill(~valid, 0).unsqueeze(1)
         grad = _softmax_fp32(logits)
@@ -134,7 +156,7 @@ class _CrossEntropySum(torch.autograd.Function):
                                "(retain_graph=True with a second backward is not supported)")
         ctx.used = True
         (grad,) = ctx.saved_tensors
-        return grad.mul_(grad_out), None
+        return grad.mul_(grad_out), None, None
 
 
 def sequence_logprobs(logits: Tensor, labels: Tensor) -> Tensor:

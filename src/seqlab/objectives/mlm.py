@@ -19,7 +19,8 @@ from torch import Tensor
 
 from seqlab.data.collate import pad_with_mask
 from seqlab.objectives.base import BaseObjective
-from seqlab.objectives.loss import IGNORE_INDEX, ObjectiveOutput, count_bytes, token_cross_entropy
+from seqlab.objectives.loss import (IGNORE_INDEX, ObjectiveOutput, count_bytes, cross_entropy_kernel,
+                                    token_cross_entropy)
 
 # Decision codes returned by mask_tokens (for tests and diagnostics).
 KEEP, MASKED, RANDOM, UNCHANGED = 0, 1, 2, 3
@@ -100,7 +101,7 @@ class MaskedLM(BaseObjective):
 
     def loss(self, model: torch.nn.Module, batch: dict[str, Tensor]) -> ObjectiveOutput:
         logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])
-        loss_sum, n = token_cross_entropy(logits, batch["labels"])
+        loss_sum, n = token_cross_entropy(logits, batch["labels"], cross_entropy_kernel(model))
         return ObjectiveOutput(loss_sum, n, {"loss": float(loss_sum.detach()) / max(n, 1)},
                                count_bytes(batch["labels"], self.byte_table))
 

@@ -19,7 +19,8 @@ from torch import Tensor
 
 from seqlab.data.collate import pad_labels, pad_with_mask
 from seqlab.objectives.base import BaseObjective
-from seqlab.objectives.loss import IGNORE_INDEX, ObjectiveOutput, count_bytes, token_cross_entropy
+from seqlab.objectives.loss import (IGNORE_INDEX, ObjectiveOutput, count_bytes, cross_entropy_kernel,
+                                    token_cross_entropy)
 
 
 def teacher_forcing(target_ids: list[int], bos_id: int, eos_id: int) -> tuple[list[int], list[int]]:
@@ -55,7 +56,7 @@ class Seq2Seq(BaseObjective):
         logits = model(batch["input_ids"], attention_mask=batch["attention_mask"],
                        decoder_input_ids=batch["decoder_input_ids"],
                        decoder_attention_mask=batch["decoder_attention_mask"])
-        loss_sum, n = token_cross_entropy(logits, batch["labels"])
+        loss_sum, n = token_cross_entropy(logits, batch["labels"], cross_entropy_kernel(model))
         with torch.no_grad():
             valid = batch["labels"] != IGNORE_INDEX
             correct = (logits.argmax(-1) == batch["labels"]) | ~valid
