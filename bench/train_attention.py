@@ -13,29 +13,20 @@ so that the ratio is the attention's share alone. Prints a table and writes benc
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-import train_throughput  # noqa: E402
 from isa_matrix import add_isa_options, parent_or_child  # noqa: E402
+from train_step_ab import accelerated_model, add_step_options, alternating_step_ms  # noqa: E402
 
-from seqlab.accel import accelerate  # noqa: E402
 from seqlab.accel.train_attention import TrainAttention, available_isas  # noqa: E402
 from seqlab.model.attention import SelfAttention  # noqa: E402
 from seqlab.runtime.cpu import native_bf16  # noqa: E402
-from seqlab.runtime.memory import keep_freed_blocks  # noqa: E402
-
-# train_throughput's two model sizes (GPT-2 shape: learned positions, LayerNorm, GELU, tied head)
-STEP_MODELS = {"d256": dict(vocab=8192, d_model=256, n_layers=4, n_heads=4),
-               "gpt2-small": dict(vocab=50257, d_model=768, n_layers=12, n_heads=12)}
-
 
 def time_layer(batch: int, length: int, heads: int, head_dim: int, rounds: int, kv_heads: int | None = None
                ) -> list[dict]:
@@ -66,28 +57,21 @@ def time_layer(batch: int, length: int, heads: int, head_dim: int, rounds: int, 
 
 def time_step(model_name: str, precision: str, rounds: int) -> dict:
     """Median ms of a seqlab+accel training step with the kernel installed and with SDPA, alternating."""
-    args = types.SimpleNamespace(**STEP_MODELS[model_name], seq_len=256, batch_size=8)
-    model, _, _ = train_throughput.build_pair(args)
-    accelerate(model, "train", rows=args.batch_size * args.seq_len, dtype=None, seq_len=args.seq_len)
-    keep_freed_blocks()
+    model, args = accelerated_model(model_name)
     layers = [m for m in model.modules() if isinstance(m, SelfAttention)]
     installed = layers[0].attend
-    step = train_throughput.make_step("seqlab", model, precision, args.vocab, fused=True)
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=g) for _ in range(2)]
-    samples: dict[str, list[float]] = {"kernel": [], "SDPA": []}
-    order = [("kernel", installed), ("SDPA", F.scaled_dot_product_attention)]
-    for r in range(rounds + 1):  # round 0 warms up both
-        for name, attend in order if r % 2 else order[::-1]:
+
+    def attending(attend):
+        def switch_on():
             for m in layers:
                 m.attend = attend
-            t0 = time.perf_counter()
-            step(batches[r % 2])
-            if r:
-                samples[name].append((time.perf_counter() - t0) * 1e3)
-    kernel, sdpa = statistics.median(samples["kernel"]), statistics.median(samples["SDPA"])
-    return {"model": model_name, "precision": precision, "installed": repr(installed), "kernel_ms": kernel,
-            "sdpa_ms": sdpa, "speedup": sdpa / kernel, "samples_ms": samples}
+        return switch_on
+
+    t = alternating_step_ms(model, args, precision, rounds,
+                            {"kernel": attending(installed), "SDPA": attending(F.scaled_dot_product_attention)})
+    return {"model": model_name, "precision": precision, "installed": repr(installed), "kernel_ms": t["kernel"],
+            "sdpa_ms": t["SDPA"], "speedup": t["SDPA"] / t["kernel"],
+            "samples_ms": {"kernel": t["kernel samples"], "SDPA": t["SDPA samples"]}}
 
 
 def measure(args) -> dict:
@@ -130,12 +114,7 @@ def main() -> None:
                     help="key/value heads (default: --heads); fewer is grouped-query attention, 1 multi-query")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--step", choices=sorted(STEP_MODELS), default=None,
-                    help="also time a whole training step of this model with the kernel and with SDPA")
-    ap.add_argument("--step-rounds", type=int, default=8)
-    ap.add_argument("--step-precisions", default="fp32,bf16", help="bf16 only where the CPU has it natively")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "train_attention.json"))
+    add_step_options(ap, "attention")
     add_isa_options(ap)
     args = ap.parse_args()
     parent_or_child(__file__, args, lambda: measure(args), table)

@@ -14,23 +14,17 @@ bench/results/train_cross_entropy.json.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-import types
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import train_throughput  # noqa: E402
 from isa_matrix import add_isa_options, parent_or_child  # noqa: E402
-from train_attention import STEP_MODELS  # noqa: E402
+from train_step_ab import accelerated_model, add_step_options, alternating_step_ms  # noqa: E402
 
-from seqlab.accel import accelerate  # noqa: E402
 from seqlab.accel.cross_entropy import FusedCrossEntropy, available_isas, time_cross_entropy  # noqa: E402
 from seqlab.runtime.cpu import native_bf16  # noqa: E402
-from seqlab.runtime.memory import keep_freed_blocks  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -48,28 +42,18 @@ def time_loss(rows: int, vocab: int, dtype: str, rounds: int) -> list[dict]:
 
 def time_step(model_name: str, precision: str, rounds: int) -> dict:
     """Median ms of a seqlab+accel training step with the loss kernel and without it, alternating."""
-    args = types.SimpleNamespace(**STEP_MODELS[model_name], seq_len=256, batch_size=8)
-    model, _, _ = train_throughput.build_pair(args)
-    accelerate(model, "train", rows=args.batch_size * args.seq_len, dtype=None, seq_len=args.seq_len)
-    keep_freed_blocks()
+    model, args = accelerated_model(model_name)
     installed = getattr(model, "cross_entropy_kernel", None)
     if installed is None:  # the calibration kept torch's route here: time the kernel anyway, to say by how much
         installed = FusedCrossEntropy({dt: available_isas()[0] for dt in DTYPES.values()})
-    step = train_throughput.make_step("seqlab", model, precision, args.vocab, fused=True)
-    g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, args.vocab, (args.batch_size, args.seq_len), generator=g) for _ in range(2)]
-    samples: dict[str, list[float]] = {"kernel": [], "torch": []}
-    order = [("kernel", installed), ("torch", None)]
-    for r in range(rounds + 1):  # round 0 warms up both
-        for name, kernel in order if r % 2 else order[::-1]:
-            model.cross_entropy_kernel = kernel
-            t0 = time.perf_counter()
-            step(batches[r % 2])
-            if r:
-                samples[name].append((time.perf_counter() - t0) * 1e3)
-    kernel, plain = statistics.median(samples["kernel"]), statistics.median(samples["torch"])
-    return {"model": model_name, "precision": precision, "installed": repr(installed), "kernel_ms": kernel,
-            "torch_ms": plain, "speedup": plain / kernel, "samples_ms": samples}
+
+    def using(kernel):
+        return lambda: setattr(model, "cross_entropy_kernel", kernel)
+
+    t = alternating_step_ms(model, args, precision, rounds, {"kernel": using(installed), "torch": using(None)})
+    return {"model": model_name, "precision": precision, "installed": repr(installed), "kernel_ms": t["kernel"],
+            "torch_ms": t["torch"], "speedup": t["torch"] / t["kernel"],
+            "samples_ms": {"kernel": t["kernel samples"], "torch": t["torch samples"]}}
 
 
 def measure(args) -> dict:
@@ -103,12 +87,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="2048x8192,2048x50257", help="comma list of ROWSxVOCAB logits")
     ap.add_argument("--rounds", type=int, default=3, help="calls of the probe (each: three timed rounds)")
-    ap.add_argument("--step", choices=sorted(STEP_MODELS), default=None,
-                    help="also time a whole training step of this model with the kernel and without")
-    ap.add_argument("--step-rounds", type=int, default=8)
-    ap.add_argument("--step-precisions", default="fp32,bf16", help="bf16 only where the CPU has it natively")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "train_cross_entropy.json"))
+    add_step_options(ap, "cross_entropy")
     add_isa_options(ap)
     args = ap.parse_args()
     parent_or_child(__file__, args, lambda: measure(args), table)

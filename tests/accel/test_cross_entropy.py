@@ -25,10 +25,19 @@ def _reference(logits: torch.Tensor, labels: torch.Tensor, scale: float):
     return loss.detach(), x.grad
 
 
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    """The suite runs on one thread per worker: the kernel's rows are also split between two here."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [7, 1003, 4096])
-def test_loss_and_gradient_are_torchs(isa, dtype, vocab):
+def test_loss_and_gradient_are_torchs(isa, dtype, vocab, threads):
     g = torch.Generator().manual_seed(vocab)
     logits = (torch.randn(37, vocab, generator=g) * 4).to(dtype)
     labels = torch.randint(0, vocab, (37,), generator=g)
@@ -45,6 +54,7 @@ def test_loss_and_gradient_are_torchs(isa, dtype, vocab):
     torch.testing.assert_close(loss.double(), ref_loss, rtol=rtol, atol=0)
     torch.testing.assert_close(x.grad.double(), ref_grad, rtol=0, atol=atol)
     assert not x.grad[[0, 5, 36]].any()  # ignored rows: no gradient
+    assert not x.grad[3, : vocab // 2].any()  # masked-out logits: exactly 0, as torch's
 
 
 def test_strided_rows_and_the_objectives_route():
@@ -85,12 +95,28 @@ def test_strided_rows_and_the_objectives_route():
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_bad_rows_and_targets():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "all -inf"])
+def test_a_bad_row_makes_a_nan_loss_and_gradient_as_torchs(dtype, bad):
+    """A NaN or +inf logit, or a row of -inf only: NaN loss and a NaN gradient row (never a finite gradient beside a
+    NaN loss, which a guard on the gradient alone would let through); the other rows keep torch's values."""
+    logits = torch.randn(3, 16).to(dtype)
+    if bad == "all -inf":
+        logits[1] = float("-inf")
+    else:
+        logits[1, 4] = bad
+    labels = torch.tensor([1, 2, 3])
+    x, y = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    ours, _ = token_cross_entropy(x, labels, FusedCrossEntropy({dtype: ISAS[0]}))
+    theirs = F.cross_entropy(y.float(), labels, reduction="none")
+    ours.backward()
+    theirs.sum().backward()
+    assert ours.isnan() and theirs[1].isnan() and x.grad[1].isnan().all() and y.grad[1].isnan().all()
+    torch.testing.assert_close(x.grad[[0, 2]].float(), y.grad[[0, 2]].float(), rtol=0, atol=4e-3)
+
+
+def test_bad_targets_and_dtypes_not_chosen():
     kernel = FusedCrossEntropy({torch.float32: ISAS[0]})
-    logits = torch.randn(3, 10)
-    logits[1, 4] = float("nan")
-    loss, _ = token_cross_entropy(logits.clone().requires_grad_(), torch.tensor([1, 2, 3]), kernel)
-    assert loss.isnan()  # as torch's: a NaN logit makes a NaN loss, which the trainer's guard then sees
     with pytest.raises(IndexError, match="outside"):
         token_cross_entropy(torch.randn(3, 10, requires_grad=True), torch.tensor([1, 10, 3]), kernel)
     bf16 = torch.randn(3, 10, dtype=torch.bfloat16, requires_grad=True)  # no bf16 build chosen: torch's route

@@ -129,8 +129,23 @@ def test_a_route_that_stops_winning_gives_way_to_plain_products(monkeypatch):
     times[256]["onednn"] = 0.080  # ahead, though by less than the margin
     assert choose_prefill_cast(long_context_model(), use_cache=False, allow_bf16=False)[0] == PrefillCast(
         torch.float32, 64)
+    times[256]["onednn"] = 0.0823  # a tie with MKL: kept
+    assert choose_prefill_cast(long_context_model(), use_cache=False, allow_bf16=False)[0] == PrefillCast(
+        torch.float32, 64)
     times[64]["onednn"] = 0.035  # no winner at 64 either: plain throughout
     assert choose_prefill_cast(long_context_model(), use_cache=False, allow_bf16=False)[0] is None
+
+
+def test_a_kept_bf16_step_gives_way_where_an_exact_route_is_faster(monkeypatch):
+    """bf16 taken at 64 tokens; at 256 oneDNN's fp32 is faster than bf16 but not by its 1.1x margin over MKL: the
+    bf16 step ends (it changes the numbers and is not the fastest), and MKL, the winner there, takes over."""
+    monkeypatch.setattr(accel_prefill, "native_bf16", lambda: True)
+    times = {64: {"fp32": 1.0, "onednn": 0.9, "bf16": 0.5}, 256: {"fp32": 1.0, "onednn": 0.95, "bf16": 0.98}}
+    monkeypatch.setattr(accel_prefill, "time_prefills",
+                        lambda model, length, casts: {k: times[length][k] for k in casts})
+    cast, _ = choose_prefill_cast(long_context_model())
+    assert cast == PrefillCast(torch.bfloat16, 64, PrefillCast(None, 256))
+    assert cast.label == "64+ tokens in bf16, 256+ in plain fp32"
 
 
 def test_bf16_must_beat_the_best_fp32_route_not_just_mkl(monkeypatch):

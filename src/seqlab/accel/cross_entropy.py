@@ -23,12 +23,13 @@ import torch
 from torch import Tensor, nn
 
 from seqlab.accel.calibrate import cached_timings, dtype_name, fastest
-from seqlab.objectives.loss import IGNORE_INDEX, token_cross_entropy
+from seqlab.objectives import loss as objective_loss
+from seqlab.objectives.loss import IGNORE_INDEX, release_scratch, token_cross_entropy
 from seqlab.runtime import native
 
 SOURCE = Path(__file__).with_name("cross_entropy.c")
 SIMD = Path(__file__).with_name("simd.h")
-MAX_TIMED_ROWS = 2048  # tokens of the timed probe (a step's whole batch, up to this)
+MAX_TIMED_ROWS = 512  # rows of the timed probe (rows are independent: its cost per row is the step's)
 ROUNDS = 3
 _BF16 = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -98,6 +99,8 @@ def time_cross_entropy(rows: int, vocab: int, dtype: torch.dtype, candidates: di
             logits.grad = None
             if r:
                 best[name] = min(best[name], clock() - t0)
+    del logits
+    release_scratch()  # the probe's [rows, vocab] buffers are not the step's
     return best
 
 
@@ -114,7 +117,7 @@ def choose_cross_entropy(model: nn.Module, rows: int, dtypes: tuple[torch.dtype,
     builds, all_timings = {}, {}
     for dtype in dtypes:
         key = f"cross-entropy|{rows}x{vocab}|{dtype_name(dtype)}|{'+'.join(isas)}|" \
-              f"{native.source_key([SOURCE, SIMD, Path(__file__)])}"
+              f"{native.source_key([SOURCE, SIMD, Path(__file__), Path(objective_loss.__file__)])}"
         candidates = {isa: FusedCrossEntropy({dtype: isa}) for isa in isas}
         timings = cached_timings(key, lambda: time_cross_entropy(rows, vocab, dtype, {"torch": None, **candidates}),
                                  use_cache)

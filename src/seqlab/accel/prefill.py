@@ -207,8 +207,8 @@ _ROUTE_NAMES = {None: "fp32", torch.float32: "onednn", torch.bfloat16: "bf16"}
 def _winner(timings: dict[str, float], length: int, current: torch.dtype | None = None) -> torch.dtype | None:
     """The route for prompts of ``length`` tokens (None: plain): bf16 where it beats the best fp32 route by
     MIN_SPEEDUP, else oneDNN's fp32 where it beats MKL's by ONEDNN_MIN_SPEEDUP. The margins guard the choice of a
-    route, not the keeping of one: the route of shorter prompts (``current``) goes on while it is at least as fast
-    as the winner here, and gives way where it measures slower."""
+    route, not the keeping of one: the route of shorter prompts (``current``) goes on while it is the fastest
+    route timed here (ties included), and gives way to the winner where another measures faster."""
     fp32, onednn, bf16 = (timings.get(f"{name}@{length}") for name in ("fp32", "onednn", "bf16"))
     if fp32 is None:
         return current
@@ -217,8 +217,8 @@ def _winner(timings: dict[str, float], length: int, current: torch.dtype | None 
     winner = torch.bfloat16 if bf16 is not None and bf16 * MIN_SPEEDUP <= best_fp32 else (
         torch.float32 if onednn_wins else None)
     kept = timings.get(f"{_ROUTE_NAMES[current]}@{length}")
-    if current is not None and winner != current and kept is not None and kept <= timings[
-            f"{_ROUTE_NAMES[winner]}@{length}"]:
+    timed = [t for t in (fp32, onednn, bf16) if t is not None]
+    if current is not None and kept is not None and kept <= min(timed):
         return current
     return winner
 

@@ -25,7 +25,7 @@ from seqlab.data.collate import IGNORE_INDEX
 from seqlab.runtime.memory import ScratchPool
 
 __all__ = ["IGNORE_INDEX", "ObjectiveOutput", "token_cross_entropy", "sequence_logprobs", "count_bytes",
-           "cross_entropy_kernel"]
+           "cross_entropy_kernel", "release_scratch"]
 
 # (logits [N, V], labels [N], grad [N, V] to fill with softmax - onehot) -> the [N] fp32 row losses, or None where
 # it does not take these tensors: a kernel installed from outside (seqlab.accel.cross_entropy)
@@ -83,6 +83,11 @@ _TINY_PROB = 1e-30
 # The [N, V] softmax and gradient of the fused CE, the largest tensors of a training step, reused from one step to
 # the next while free (``runtime.memory.ScratchPool``: a fresh one costs its page faults every step).
 _SCRATCH = ScratchPool()
+
+
+def release_scratch() -> None:
+    """Let go of the pooled [N, V] buffers (after a probe at another shape: they would stay until replaced)."""
+    _SCRATCH.clear()
 
 
 def _pooled(logits: Tensor) -> bool:
