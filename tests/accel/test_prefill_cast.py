@@ -12,6 +12,7 @@ from seqlab.runtime.cpu import current_signature, native_bf16
 
 from .helpers import tiny_model
 
+REAL_TIME_HEAD = accel_prefill.time_head  # before the autouse fixture below replaces it
 BF16_ATOL = 5e-2  # bf16 products keep 8 significant bits: this tiny model's logits move by up to ~1e-2
 
 
@@ -20,6 +21,43 @@ def long_context_model():
     torch.manual_seed(0)
     return build_model(ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96,
                                    max_seq_len=512)).eval()
+
+
+@pytest.fixture(autouse=True)
+def _head_routes_tie(monkeypatch):
+    """The head's own timing (real elsewhere) ties here, so the chains under test keep the head plain."""
+    monkeypatch.setattr(accel_prefill, "time_head", lambda model: {"fp32": 1.0, "onednn": 1.0})
+
+
+def test_the_heads_product_takes_onednn_where_its_own_timing_says_so(monkeypatch):
+    """A Zen 3's 6-layer case: the body plain from 256 tokens, the head (one row against the whole head weight)
+    3.3 ms on oneDNN against 5.7 on MKL -> the head on oneDNN for every prompt the chain covers."""
+    times = {64: {"fp32": 0.0363, "onednn": 0.0321}, 256: {"fp32": 0.0823, "onednn": 0.0851}}
+    monkeypatch.setattr(accel_prefill, "time_prefills",
+                        lambda model, length, casts: {k: times[length][k] for k in casts})
+    monkeypatch.setattr(accel_prefill, "time_head", lambda model: {"fp32": 0.0057, "onednn": 0.0033})
+    model = long_context_model()
+    cast, timings = choose_prefill_cast(model, allow_bf16=False)
+    assert cast == PrefillCast(torch.float32, 64, PrefillCast(None, 256), head_onednn=True)
+    assert cast.label == "64+ tokens in fp32 on oneDNN, 256+ in plain fp32; the head on oneDNN"
+    assert timings["head onednn"] == 0.0033
+    for n, body in ((100, True), (1000, False)):
+        with cast.context(n):
+            assert accel_prefill._ONEDNN.get() is body
+        with cast.head_context(n):
+            assert accel_prefill._ONEDNN.get()
+    with cast.head_context(63):
+        assert not accel_prefill._ONEDNN.get()
+    times[64]["onednn"] = 0.0359  # oneDNN wins no length of the body: no chain, no head route either
+    assert choose_prefill_cast(model, use_cache=False, allow_bf16=False)[0] is None
+    assert not any("forward" in m.__dict__ for m in model.modules())  # and no switch left on the layers
+
+
+def test_the_heads_timing_on_this_machine():
+    model = tiny_model()
+    accel_prefill.install(model)
+    timings = REAL_TIME_HEAD(model)
+    assert set(timings) == {"fp32", "onednn"} and all(t > 0 for t in timings.values())
 
 
 def test_short_prompts_stay_fp32_and_long_ones_run_bf16_products():
@@ -46,7 +84,7 @@ def test_a_cast_prefill_fills_the_fp32_cache_and_decoding_continues_in_fp32():
 
 def test_an_onednn_prefill_is_fp32_and_runs_its_products_on_onednn(monkeypatch):
     model, plain = tiny_model(), tiny_model()
-    model.prefill_cast = PrefillCast(torch.float32, min_tokens=4)
+    model.prefill_cast = PrefillCast(torch.float32, min_tokens=4, head_onednn=True)
     accel_prefill.install(model)  # the layers' switch (choose_prefill_cast installs it)
     calls = []
 
@@ -66,6 +104,11 @@ def test_an_onednn_prefill_is_fp32_and_runs_its_products_on_onednn(monkeypatch):
         assert len(body) >= 2 * 4 and all(shape[:2] in ((2, 9), (2, 1)) for shape in body)
         assert sum(shape[:2] == (2, 9) for shape in body) > len(body) // 2
         assert head == (2, model.config.d_model)  # the head's product of the last positions, on oneDNN too
+        calls.clear()
+        model.prefill_cast = PrefillCast(torch.float32, min_tokens=4)  # the head's own timing chose MKL
+        prefill(model, ids, model.new_cache(2, 16))
+        assert calls and all(shape != (2, model.config.d_model) for shape in calls)
+        model.prefill_cast = PrefillCast(torch.float32, min_tokens=4, head_onednn=True)
         calls.clear()
         tok = want.argmax(-1)
         torch.testing.assert_close(decode_step(model, tok, c1), decode_step(plain, tok, c2), atol=1e-5, rtol=1e-5)
