@@ -277,3 +277,22 @@ def test_max_new_tokens_zero_returns_prompt():
     model = tiny_decoder()
     ids = torch.tensor([[1, 2, 3]])
     assert torch.equal(generate(model, ids, max_new_tokens=0), ids)
+
+
+def test_generation_runs_in_eval_mode_and_leaves_each_modules_mode_as_it_was():
+    """A model in training mode (dropout on) generates as in eval mode; afterwards every module is back in its own
+    mode, including a submodule kept in eval inside a training model, and a stream closed early restores too."""
+    model = tiny_decoder(dropout=0.5)
+    ids = torch.tensor([[3, 5, 7]])
+    want = generate(model, ids, max_new_tokens=6)  # eval mode (tiny_decoder returns the model in eval)
+    model.train()
+    frozen = next(m for name, m in model.named_modules() if name.endswith("blocks.0"))
+    frozen.eval()  # e.g. a frozen block
+    modes = {name: m.training for name, m in model.named_modules()}
+    assert torch.equal(generate(model, ids, max_new_tokens=6), want)  # no dropout during generation
+    assert {name: m.training for name, m in model.named_modules()} == modes
+    chunks = iter(stream(model, ids, max_new_tokens=6))
+    next(chunks)
+    assert not model.training  # inside the request
+    chunks.close()
+    assert {name: m.training for name, m in model.named_modules()} == modes

@@ -6,6 +6,7 @@ The output keeps the Hugging Face layout: the prompt as given (padding included,
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -30,6 +31,22 @@ class GenerationOutput:
     scores: Tensor | None = None  # beam search: the length-penalised score of each returned sequence
 
 
+@contextlib.contextmanager
+def _eval_mode(model) -> Iterator[None]:
+    """The modules in training mode switched to eval for the block and back after; the others untouched. A model
+    already in eval mode (every request of a chat or a server) costs nothing here, where ``model.eval()`` and then
+    ``model.train(...)`` set every module's flag through ``nn.Module.__setattr__`` on every request (2.6 ms for the
+    6-layer bench model: 1.5 % of its 512-token TTFT)."""
+    training = [m for m in model.modules() if m.training]
+    for m in training:
+        m.training = False
+    try:
+        yield
+    finally:
+        for m in training:
+            m.training = True
+
+
 def _run(model, input_ids, attention_mask, cfg: GenerationConfig, draft_model=None, tokenizer=None,
          want_chunks: bool = False) -> Iterator[StreamChunk]:
     """Every strategy, as a generator of stream chunks whose return value is the GenerationOutput."""
@@ -42,24 +59,19 @@ def _run(model, input_ids, attention_mask, cfg: GenerationConfig, draft_model=No
     metrics = GenerationMetrics(strategy=strategy, batch_size=B, prompt_tokens=int(prep.lengths.sum()))
     text = None if strategy == "beam" else TextStream.for_request(tokenizer, B, cfg.stop_strings, want_chunks)
     scores = None
-    was_training = model.training
-    model.eval()
-    try:
-        # inference_mode skips autograd bookkeeping on every small op of the decode loop; the returned tensors
-        # are cloned outside it below, so callers may use them in autograd later (e.g. as training inputs).
-        with torch.inference_mode():
-            if cfg.max_new_tokens == 0:
-                new = torch.empty(B, 0, dtype=torch.long, device=device)
-            elif strategy == "beam":
-                new, scores = beam_search(model, prep, cfg, metrics)
-                if want_chunks:
-                    yield StreamChunk(0, new.tolist(), None, [True] * B)
-            elif strategy == "speculative":
-                new = yield from speculative_loop(model, draft_model, prep, cfg, text, metrics, want_chunks)
-            else:
-                new = yield from sample_loop(model, prep, cfg, text, metrics, want_chunks)
-    finally:
-        model.train(was_training)
+    # inference_mode skips autograd bookkeeping on every small op of the decode loop; the returned tensors are
+    # cloned outside it below, so callers may use them in autograd later (e.g. as training inputs).
+    with _eval_mode(model), torch.inference_mode():
+        if cfg.max_new_tokens == 0:
+            new = torch.empty(B, 0, dtype=torch.long, device=device)
+        elif strategy == "beam":
+            new, scores = beam_search(model, prep, cfg, metrics)
+            if want_chunks:
+                yield StreamChunk(0, new.tolist(), None, [True] * B)
+        elif strategy == "speculative":
+            new = yield from speculative_loop(model, draft_model, prep, cfg, text, metrics, want_chunks)
+        else:
+            new = yield from sample_loop(model, prep, cfg, text, metrics, want_chunks)
     if prep.encdec:
         start = torch.full((B, 1), decoder_start_token_id(model), dtype=torch.long, device=new.device)
         sequences = torch.cat([start, new], dim=1)
