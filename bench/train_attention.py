@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
 from isa_matrix import add_isa_options, parent_or_child  # noqa: E402
-from train_step_ab import accelerated_model, add_step_options, alternating_step_ms  # noqa: E402
+from train_step_ab import accelerated_model, add_step_options, alternating_step_ms, step_table  # noqa: E402
 
 from seqlab.accel.train_attention import TrainAttention, available_isas  # noqa: E402
 from seqlab.model.attention import SelfAttention  # noqa: E402
@@ -98,11 +98,7 @@ def table(result: dict) -> str:
         total = r["forward_ms"] + r["backward_ms"]
         lines.append(f"| {r['candidate']} | {r['forward_ms']:.2f} | {r['backward_ms']:.2f} | {total:.2f} ms "
                      f"({base / total:.2f}x) | {r['forward_gflops']:.0f} / {r['backward_gflops']:.0f} |")
-    if result["steps"]:
-        lines += ["", "| step | precision | installed | with the kernel | with SDPA | speed-up |", "|---|---|---|---|---|---|"]
-        lines += [f"| {s['model']} | {s['precision']} | {s['installed']} | {s['kernel_ms']:.1f} ms | "
-                  f"{s['sdpa_ms']:.1f} ms | {s['speedup']:.3f}x |" for s in result["steps"]]
-    return "\n".join(lines)
+    return "\n".join(lines + step_table(result["steps"], "sdpa_ms", "SDPA"))
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from isa_matrix import add_isa_options, parent_or_child  # noqa: E402
-from train_step_ab import accelerated_model, add_step_options, alternating_step_ms  # noqa: E402
+from train_step_ab import accelerated_model, add_step_options, alternating_step_ms, step_table  # noqa: E402
 
 from seqlab.accel.cross_entropy import FusedCrossEntropy, available_isas, time_cross_entropy  # noqa: E402
 from seqlab.runtime.cpu import native_bf16  # noqa: E402
@@ -76,11 +76,7 @@ def table(result: dict) -> str:
         base.setdefault(key, r["ms"])
         lines.append(f"| {r['rows']} x {r['vocab']} | {r['dtype']} | {r['candidate']} | {r['ms']:.2f} | "
                      f"{r['logits_gb_s']:.1f} | {base[key] / r['ms']:.2f}x |")
-    if result["steps"]:
-        lines += ["", "| step | precision | with the kernel | with torch's route | speed-up |", "|---|---|---|---|---|"]
-        lines += [f"| {s['model']} | {s['precision']} | {s['kernel_ms']:.1f} ms | {s['torch_ms']:.1f} ms | "
-                  f"{s['speedup']:.3f}x |" for s in result["steps"]]
-    return "\n".join(lines)
+    return "\n".join(lines + step_table(result["steps"], "torch_ms", "torch's route"))
 
 
 def main() -> None:

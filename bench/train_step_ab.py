@@ -53,6 +53,16 @@ def alternating_step_ms(model: torch.nn.Module, args, precision: str, rounds: in
             **{f"{name} samples": s for name, s in samples.items()}}
 
 
+def step_table(steps: list[dict], plain_key: str, plain_label: str) -> list[str]:
+    """Markdown rows for :func:`alternating_step_ms` results: ``kernel_ms`` against ``steps[i][plain_key]``."""
+    if not steps:
+        return []
+    return ["", f"| step | precision | installed | with the kernel | with {plain_label} | speed-up |",
+            "|---|---|---|---|---|---|"] + [
+        f"| {s['model']} | {s['precision']} | {s['installed']} | {s['kernel_ms']:.1f} ms | {s[plain_key]:.1f} ms | "
+        f"{s['speedup']:.3f}x |" for s in steps]
+
+
 def add_step_options(ap: argparse.ArgumentParser, what: str) -> None:
     """``--step``, ``--step-rounds``, ``--step-precisions``, ``--threads`` and ``--out`` (for bench/results/<what>)."""
     ap.add_argument("--step", choices=sorted(STEP_MODELS), default=None,
