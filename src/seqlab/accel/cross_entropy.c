@@ -61,6 +61,15 @@ static float row_max(const void *x, int bf16, int64_t V) {
     return m == -INFINITY ? NAN : m;
 }
 
+/* gradient row `g` (V wide, fp32 or bf16) all `value`: an ignored row's zeros, a bad row's NaNs */
+static void fill_row(void *g, int bf16, int64_t V, float value) {
+    const uint16_t h = f32_to_bf16(value);
+    for (int64_t j = 0; j < V; j++) {
+        if (bf16) ((uint16_t *)g)[j] = h;
+        else ((float *)g)[j] = value;
+    }
+}
+
 /* For each of `rows` rows (row r of the logits at r * ld elements; fp32, or bf16 where `bf16`): nll[r] =
  * logsumexp(row) - row[label] and grad row r (dense, V wide, the logits' dtype) = softmax(row) - onehot(label); a
  * row whose label is `ignore` gets nll 0 and a zero gradient. Returns 0, -1 where a label is outside [0, V) and
@@ -84,22 +93,17 @@ int seqlab_cross_entropy(const void *logits, int64_t ld, int bf16, const int64_t
                                  : (const void *)((const float *)logits + r * ld);
             float *e = bf16 ? scratch : (float *)grad + r * V; /* fp32: the exponentials go straight to the gradient */
             uint16_t *gb = bf16 ? (uint16_t *)grad + r * V : NULL;
+            void *g = bf16 ? (void *)gb : (void *)e;
             const int64_t label = labels[r];
             if (label == ignore) {
                 nll[r] = 0.0f;
-                for (int64_t j = 0; j < V; j++) {
-                    if (bf16) gb[j] = 0;
-                    else e[j] = 0.0f;
-                }
+                fill_row(g, bf16, V, 0.0f);
                 continue;
             }
             const float m = row_max(x, bf16, V);
             if (isnan(m)) {
                 nll[r] = NAN;
-                for (int64_t j = 0; j < V; j++) {
-                    if (bf16) gb[j] = f32_to_bf16(NAN);
-                    else e[j] = NAN;
-                }
+                fill_row(g, bf16, V, NAN);
                 continue;
             }
             const vf vm = vset1(m);
