@@ -124,6 +124,34 @@ def test_a_spent_budget_still_gets_a_timed_round():
     assert timings == {"plain": 1.0, "stalled": 1.0}
 
 
+def test_best_of_rounds_skips_the_warm_up_and_keeps_each_candidates_fastest_round():
+    """The probes' shared timing loop: the warm-up round is no sample (a quick one included), rounds interleave the candidates, the best
+    round counts, a declined call gives no sample, and ``setup`` runs outside the timed span."""
+    now = [0.0]
+    ticks = {"a": iter([0.5, 5.0, 3.0, 4.0]), "b": iter([100.0, 2.0, 7.0, 2.5]), "c": iter([0.1, 0.1, 9.0, 0.1])}
+    order, setups = [], []
+
+    def run(name):
+        def one(arg):
+            assert arg == f"made for {name}" and setups[-1] == name
+            order.append(name)
+            tick = next(ticks[name])
+            now[0] += tick
+            return None if name == "c" and tick < 1 else name  # c declines its quick calls (a fallback)
+        return one
+
+    def setup(name):
+        setups.append(name)
+        now[0] += 1000.0  # outside the timed span
+        return f"made for {name}"
+
+    timings = calibrate.best_of_rounds({k: run(k) for k in ticks}, 3, clock=lambda: now[0], setup=setup,
+                                       declined=lambda out: out is None)
+    assert order == ["a", "b", "c"] * 4
+    assert timings == {"a": 3.0, "b": 2.0, "c": 9.0}
+    assert calibrate.best_of_rounds({"x": lambda: None}, 0) == {"x": float("inf")}  # no round: no sample
+
+
 def test_a_route_faster_than_plain_is_chosen_and_slower_never():
     timings = {"dense": 2.0, "a": 1.0, "b": 3.0}
     assert calibrate.fastest(timings) == "a"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -163,6 +163,26 @@ def time_routes(use: Use, in_features: int, out_features: int, bias: bool, route
             samples[name].append((clock() - t0) / reps)
     # the minimum, not the median: other processes only ever add time, so the fastest round is the kernel's speed
     return {name: min(s) for name, s in samples.items()}
+
+
+def best_of_rounds(runs: Mapping[str, Callable[..., object]], rounds: int,
+                   clock: Callable[[], float] = time.perf_counter, setup: Callable[[str], object] | None = None,
+                   declined: Callable[[object], bool] | None = None) -> dict[str, float]:
+    """Seconds per call of each of ``runs``: a warm-up round (kernels built, primitives made), then ``rounds``
+    interleaved rounds, so a busy phase of the shared machine hits every candidate alike, and the best round of
+    each, since other processes only ever add time. With ``setup``, each call gets ``setup(name)``, made outside
+    the timed span (a fresh cache, say); a call whose result ``declined`` rejects (a kernel that fell back) is not
+    a sample, so it cannot win by being quick."""
+    best = dict.fromkeys(runs, float("inf"))
+    for r in range(rounds + 1):
+        for name, run in runs.items():
+            args = () if setup is None else (setup(name),)
+            t0 = clock()
+            result = run(*args)
+            elapsed = clock() - t0
+            if r and not (declined is not None and declined(result)):
+                best[name] = min(best[name], elapsed)
+    return best
 
 
 def fastest(timings: dict[str, float], plain: str = "dense") -> str:

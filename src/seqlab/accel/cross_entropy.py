@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from seqlab.accel.calibrate import cached_timings, dtype_name, fastest
+from seqlab.accel.calibrate import best_of_rounds, cached_timings, dtype_name, fastest
 from seqlab.objectives import loss as objective_loss
 from seqlab.objectives.loss import IGNORE_INDEX, release_scratch, token_cross_entropy
 from seqlab.runtime import native
@@ -89,15 +89,15 @@ def time_cross_entropy(rows: int, vocab: int, dtype: torch.dtype, candidates: di
     labels = torch.randint(0, vocab, (rows,), generator=g)
     labels[::10] = IGNORE_INDEX
     scale = torch.tensor(1.0 / rows)
-    best = dict.fromkeys(candidates, float("inf"))
-    for r in range(ROUNDS + 1):
-        for name, kernel in candidates.items():
-            t0 = clock()
+
+    def run(kernel: FusedCrossEntropy | None) -> Callable[[], None]:
+        def one() -> None:
             loss, _ = token_cross_entropy(logits, labels, kernel)
             loss.backward(scale)
             logits.grad = None
-            if r:
-                best[name] = min(best[name], clock() - t0)
+        return one
+
+    best = best_of_rounds({name: run(kernel) for name, kernel in candidates.items()}, ROUNDS, clock)
     del logits
     release_scratch()  # the probe's [rows, vocab] buffers are not the step's
     return best

@@ -9,14 +9,14 @@ and backward beats torch's, and :func:`~seqlab.accel.restore_plain` puts torch's
 from __future__ import annotations
 
 import ctypes
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from seqlab.accel.calibrate import cached_timings, dtype_name, fastest
+from seqlab.accel.calibrate import best_of_rounds, cached_timings, dtype_name, fastest
 from seqlab.model.layers import MLP, activation_fn
 from seqlab.runtime import native
 
@@ -85,15 +85,14 @@ def time_gelus(rows: int, width: int, dtype: torch.dtype, candidates: dict, roun
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, width, generator=g).to(dtype).requires_grad_()
     grad = torch.randn(rows, width, generator=g).to(dtype)
-    best = dict.fromkeys(candidates, float("inf"))
-    for r in range(rounds + 1):  # round 0 warms up
-        for name, act in candidates.items():
-            t0 = time.perf_counter()
+
+    def run(act) -> Callable[[], None]:
+        def one() -> None:
             act(x).backward(grad)
             x.grad = None
-            if r:
-                best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+        return one
+
+    return best_of_rounds({name: run(act) for name, act in candidates.items()}, rounds)
 
 
 def gelu_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:

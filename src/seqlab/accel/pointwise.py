@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqlab.accel.calibrate import timings_by_size, winning_from
+from seqlab.accel.calibrate import best_of_rounds, timings_by_size, winning_from
 from seqlab.model.attention import SelfAttention
 from seqlab.model.layers import MLP, RMSNorm, apply_rotary, gated_activation, rms_norm
 from seqlab.runtime import native
@@ -166,15 +166,8 @@ def time_pointwise(d_model: int, n_heads: int, n_kv: int, head_dim: int, d_ff: i
     for isa in isas:
         k = Kernels(isa, 0)
         runs[isa] = lambda k=k: layer(k.rms_norm, k.rotate, k.gate)
-    best = {name: float("inf") for name in runs}
     with torch.inference_mode():
-        for r in range(ROUNDS + 1):
-            for name, fn in runs.items():
-                t0 = clock()
-                fn()
-                if r:
-                    best[name] = min(best[name], clock() - t0)
-    return best
+        return best_of_rounds(runs, ROUNDS, clock)
 
 
 def choose_pointwise(model: nn.Module, use_cache: bool = True) -> tuple[Kernels | None, dict[str, float]]:

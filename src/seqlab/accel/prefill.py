@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqlab.accel.calibrate import cached_timings, timings_by_size
+from seqlab.accel.calibrate import best_of_rounds, cached_timings, timings_by_size
 from seqlab.accel.pointwise import installed as installed_pointwise
 from seqlab.accel.pointwise import sources as pointwise_sources
 from seqlab.accel.train_linear import onednn_linear, plain_fp32_product, train_route_available
@@ -172,17 +172,16 @@ def time_prefills(model: nn.Module, length: int, casts: dict[str, PrefillCast | 
                   clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
     """Seconds per ``length``-token prefill on each route in ``casts`` (best of interleaved rounds)."""
     ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
-    best = {name: float("inf") for name in casts}
+
+    def run(cast: PrefillCast | None) -> Callable[[object], Tensor]:
+        def one(cache) -> Tensor:
+            with _installed(model, cast):  # the prefill exactly as it will run: body and head routes
+                return prefill(model, ids, cache)
+        return one
+
     with torch.inference_mode():
-        for r in range(ROUNDS + 1):  # round 0 is the warm-up (oneDNN primitives are made on first use)
-            for name, cast in casts.items():
-                cache = model.new_cache(1, length)
-                with _installed(model, cast):  # the prefill exactly as it will run: body and head routes
-                    t0 = clock()
-                    prefill(model, ids, cache)
-                    if r:
-                        best[name] = min(best[name], clock() - t0)
-    return best
+        return best_of_rounds({name: run(cast) for name, cast in casts.items()}, ROUNDS, clock,
+                              setup=lambda name: model.new_cache(1, length))
 
 
 def time_head(model: nn.Module, rounds: int = 5, clock: Callable[[], float] = time.perf_counter
@@ -191,17 +190,15 @@ def time_head(model: nn.Module, rounds: int = 5, clock: Callable[[], float] = ti
     and on oneDNN (``"onednn"``), best of interleaved rounds after a warm-up. The head streams its whole weight for
     that row (32000 x 512 floats in the 6-layer bench model), which the two libraries do at different rates."""
     x = torch.randn(1, model.config.d_model, generator=torch.Generator().manual_seed(0))
-    routes = {"fp32": contextlib.nullcontext, "onednn": onednn_products}
-    best = dict.fromkeys(routes, float("inf"))
+
+    def run(route: Callable[[], contextlib.AbstractContextManager]) -> Callable[[], Tensor]:
+        def one() -> Tensor:
+            with route():
+                return model.head(x)
+        return one
+
     with torch.inference_mode():
-        for r in range(rounds + 1):
-            for name, route in routes.items():
-                with route():
-                    t0 = clock()
-                    model.head(x)
-                    if r:
-                        best[name] = min(best[name], clock() - t0)
-    return best
+        return best_of_rounds({"fp32": run(contextlib.nullcontext), "onednn": run(onednn_products)}, rounds, clock)
 
 
 @contextlib.contextmanager

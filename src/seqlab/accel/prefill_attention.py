@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqlab.accel.calibrate import timings_by_size, winning_from
+from seqlab.accel.calibrate import best_of_rounds, timings_by_size, winning_from
 from seqlab.model.attention import SelfAttention
 from seqlab.runtime import native
 
@@ -171,15 +171,8 @@ def time_attention(n_heads: int, n_kv: int, head_dim: int, length: int, isas: li
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_heads != n_kv)}
     for isa in isas:
         runs[isa] = lambda isa=isa: causal_attention(q, k, v, isa=isa)
-    best = {name: float("inf") for name in runs}
-    with torch.inference_mode():
-        for r in range(ROUNDS + 1):
-            for name, fn in runs.items():
-                t0 = clock()
-                declined = fn() is None  # (a build that declined, out of memory, must not win by being quick)
-                if r and not declined:
-                    best[name] = min(best[name], clock() - t0)
-    return best
+    with torch.inference_mode():  # a build that declined (None: out of memory) gives no sample
+        return best_of_rounds(runs, ROUNDS, clock, declined=lambda out: out is None)
 
 
 def attention_key(n_heads: int, n_kv: int, head_dim: int, isas: list[str], lengths: list[int],

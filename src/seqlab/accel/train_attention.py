@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from seqlab.accel.calibrate import cached_timings, dtype_name, fastest
+from seqlab.accel.calibrate import best_of_rounds, cached_timings, dtype_name, fastest
 from seqlab.accel.prefill_attention import HEAD_DIM_MULTIPLE, SIMD, TILES, causal_attention, takes
 from seqlab.accel.prefill_attention import SOURCE as FORWARD_SOURCE
 from seqlab.accel.prefill_attention import library as forward_library
@@ -148,16 +148,15 @@ def time_train_attention(n_heads: int, n_kv: int, head_dim: int, batch: int, len
     g = torch.Generator().manual_seed(0)
     qkv = torch.randn(batch, length, n_heads + 2 * n_kv, head_dim, generator=g).to(dtype).requires_grad_()
     grad = torch.randn(batch, n_heads, length, head_dim, generator=g).to(dtype)
-    best = dict.fromkeys(candidates, float("inf"))
-    for r in range(ROUNDS + 1):
-        for name, attend in candidates.items():
-            t0 = clock()
+
+    def run(attend: Callable[..., Tensor]) -> Callable[[], None]:
+        def one() -> None:
             q, k, v = (t.transpose(1, 2) for t in qkv.split((n_heads, n_kv, n_kv), dim=2))
             attend(q, k, v, is_causal=True, enable_gqa=n_heads != n_kv).backward(grad)
             qkv.grad = None
-            if r:
-                best[name] = min(best[name], clock() - t0)
-    return best
+        return one
+
+    return best_of_rounds({name: run(attend) for name, attend in candidates.items()}, ROUNDS, clock)
 
 
 def choose_train_attention(model: nn.Module, batch: int, length: int,
