@@ -2,9 +2,10 @@
  * fresh prompt (queries and keys start together). Each task is one head's block of BQ queries: it computes the
  * block's scores against keys 0..i in one register-tiled product, takes each row's softmax exactly (no online
  * rescaling: the whole score row fits the task's scratch), and multiplies by V with the 1/sum folded into the store.
- * Keys are first transposed once per kv head so the score tiles read them as rows. Tasks run largest first (the
- * causal blocks grow along the prompt) under a dynamic OpenMP schedule. The math is fp32; bf16 inputs are widened
- * once (K and V into the same scratch), and a bf16 output is rounded once, from fp32 partial sums. */
+ * Keys are first packed once per kv head into panels of K^T, so that each score tile reads its keys as one
+ * contiguous run. Tasks run largest first (the causal blocks grow along the prompt) under a dynamic OpenMP schedule.
+ * The math is fp32; bf16 inputs are widened once (K and V into the same scratch), and a bf16 output is rounded
+ * once, from fp32 partial sums. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -60,6 +61,33 @@ static inline void value_tile(const float *p, int64_t ld_p, const float *v, int6
             vstore((float *)dst + r * dst_st + VL, vmul(acc[r][1], s));
         }
     }
+}
+
+/* K^T in panels of NR keys: panel p holds keys p*NR .. p*NR+NR-1 as [D][NR], so a score tile reads its D x NR
+ * slice of K^T as one contiguous run, where a plain [D][tpad] transpose spreads it over D rows a whole prompt
+ * apart (measured on a Zen 3, one thread: the kernel 5-13 % faster with the panels). Keys n .. tpad-1 are zero. */
+static void pack_key_panels(const void *src, int64_t st, int bf16, int64_t n, int64_t D, float *dst,
+                            int64_t tpad) {
+    for (int64_t j0 = 0; j0 < tpad; j0 += NR) {
+        float *panel = dst + j0 * D;
+        for (int64_t jj = 0; jj < NR; jj++) {
+            const int64_t j = j0 + jj;
+            for (int64_t d = 0; d < D; d++) panel[d * NR + jj] = j < n ? element(src, j * st + d, bf16) : 0.0f;
+        }
+    }
+}
+
+/* qs[r] := scale * query row r (fp32, or bf16 widened), r < rows, as vectors (D is a multiple of NR); zero rows
+ * from `rows` to `mrows` (the last tile's padding). Element by element this copy took 4 % of the kernel. */
+static void scaled_queries(const void *q, int64_t q0, int64_t st, int bf16, int64_t rows, int64_t mrows, int64_t D,
+                           float scale, float *qs) {
+    const vf s = vset1(scale);
+    for (int64_t r = 0; r < mrows; r++)
+        for (int64_t d = 0; d < D; d += VL) {
+            const int64_t i = q0 + r * st + d;
+            const vf x = r >= rows ? vzero() : bf16 ? vload_bf16((const uint16_t *)q + i) : vload((const float *)q + i);
+            vstore(qs + r * D + d, vmul(x, s));
+        }
 }
 
 /* row := exp(row - max) over its first n entries, zero from n to end; returns 1 / sum, and the max in *max */
@@ -121,7 +149,7 @@ int seqlab_causal_attention(const Attention *a, int nthreads) {
                 const int64_t k0 = b * a->k_strides[0] + g * a->k_strides[1];
                 const int64_t v0 = b * a->v_strides[0] + g * a->v_strides[1];
                 const void *k = (const char *)a->k + k0 * (bf16 ? sizeof(uint16_t) : sizeof(float));
-                transpose_rows(k, a->k_strides[2], bf16, T, D, kt + (b * G + g) * D * tpad, tpad);
+                pack_key_panels(k, a->k_strides[2], bf16, T, D, kt + (b * G + g) * D * tpad, tpad);
                 if (bf16)
                     for (int64_t j = 0; j < T; j++)
                         for (int64_t d = 0; d < D; d++)
@@ -153,14 +181,12 @@ int seqlab_causal_attention(const Attention *a, int nthreads) {
             /* partial sums across key blocks: in the fp32 output itself, or in fp32 scratch for a bf16 one */
             float *part = bf16 ? o32 : (float *)out;
             const int64_t part_st = bf16 ? D : o_st;
-            for (int64_t r = 0; r < mrows; r++)
-                for (int64_t d = 0; d < D; d++)
-                    qs[r * D + d] = r < rows ? element(a->q, q0 + r * a->q_strides[2] + d, bf16) * a->scale : 0.0f;
+            scaled_queries(a->q, q0, a->q_strides[2], bf16, rows, mrows, D, a->scale, qs);
             for (int64_t jb = 0; jb < cols; jb += BK) /* key blocks: the block of K^T stays in cache */
                 for (int64_t r0 = 0; r0 < mrows; r0 += MR) {
                     const int64_t last = i0 + r0 + MR - 1; /* the tile's last query sees keys 0..last */
                     for (int64_t j0 = jb; j0 < jb + BK && j0 <= last && j0 < cols; j0 += NR)
-                        score_tile(qs + r0 * D, D, ktg + j0, tpad, s + r0 * tpad + j0, tpad);
+                        score_tile(qs + r0 * D, D, ktg + j0 * D, NR, s + r0 * tpad + j0, tpad);
                 }
             for (int64_t r = 0; r < mrows; r++) {
                 if (r < rows) {
