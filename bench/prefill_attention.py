@@ -61,6 +61,9 @@ def table(result: dict) -> str:
              "| shape | tokens | candidate | ms | vs SDPA | GFLOP/s (causal half) |", "|---|---|---|---|---|---|"]
     sdpa = {(r["shape"], r["length"]): r["ms"] for r in result["rows"] if r["candidate"] == "SDPA"}
     for r in result["rows"]:
+        if r["ms"] == float("inf"):  # every call declined (its scratch could not be allocated): no timing
+            lines.append(f"| {r['shape']} | {r['length']} | {r['candidate']} | declined | - | - |")
+            continue
         lines.append(f"| {r['shape']} | {r['length']} | {r['candidate']} | {r['ms']:.3f} | "
                      f"{sdpa[(r['shape'], r['length'])] / r['ms']:.2f}x | {r['gflops']:.0f} |")
     return "\n".join(lines)

@@ -148,6 +148,21 @@ def test_a_kernel_slower_than_sdpa_is_not_chosen_and_the_verdict_is_cached(monke
     assert pa.choose_attention(4, 2, 16, max_len=4096, use_cache=False).isa is None  # a width it cannot take
 
 
+
+def test_a_build_that_declines_gets_no_timing(monkeypatch):
+    """A build that returns None (its scratch could not be allocated) did not compute the attention: however quick
+    that was, it must not count as a time, or the calibration would choose a kernel that never runs."""
+    calls = Counter()
+
+    def declining(q, k, v, isa="avx2"):
+        calls[isa] += 1
+        return None
+
+    monkeypatch.setattr(pa, "causal_attention", declining)
+    timings = pa.time_attention(4, 2, 32, 16, ["avx2"])
+    assert calls["avx2"] == pa.ROUNDS + 1  # the warm-up and every round called it
+    assert timings["avx2"] == float("inf") and 0 < timings["sdpa"] < float("inf")
+
 def test_a_shorter_model_calibrated_first_does_not_break_a_longer_one(monkeypatch):
     """The lengths timed depend on the model's longest prompt: they are part of the cached entry's key."""
     if not ISAS:

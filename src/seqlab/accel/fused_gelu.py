@@ -86,7 +86,7 @@ def time_gelus(rows: int, width: int, dtype: torch.dtype, candidates: dict, roun
     x = torch.randn(rows, width, generator=g).to(dtype).requires_grad_()
     grad = torch.randn(rows, width, generator=g).to(dtype)
 
-    def run(act) -> Callable[[], None]:
+    def run(act: Callable[[Tensor], Tensor]) -> Callable[[], None]:
         def one() -> None:
             act(x).backward(grad)
             x.grad = None

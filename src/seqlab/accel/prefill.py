@@ -37,6 +37,7 @@ from seqlab.accel.pointwise import installed as installed_pointwise
 from seqlab.accel.pointwise import sources as pointwise_sources
 from seqlab.accel.train_linear import onednn_linear, plain_fp32_product, train_route_available
 from seqlab.generate.engine import prefill
+from seqlab.model.cache import KVCache
 from seqlab.runtime import native
 from seqlab.runtime.cpu import native_bf16
 
@@ -173,8 +174,8 @@ def time_prefills(model: nn.Module, length: int, casts: dict[str, PrefillCast | 
     """Seconds per ``length``-token prefill on each route in ``casts`` (best of interleaved rounds)."""
     ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
 
-    def run(cast: PrefillCast | None) -> Callable[[object], Tensor]:
-        def one(cache) -> Tensor:
+    def run(cast: PrefillCast | None) -> Callable[[KVCache], Tensor]:
+        def one(cache: KVCache) -> Tensor:
             with _installed(model, cast):  # the prefill exactly as it will run: body and head routes
                 return prefill(model, ids, cache)
         return one
