@@ -6,7 +6,7 @@
  * 1: MQA), each kv head's query blocks are cut into slices of about equal causal work, and a slice after the first
  * adds into its own dK and dV scratch, summed in at the end. Per block of BQ query rows a task computes the scores
  * and dO V^T in the lower triangle only, in the register tiles of the forward, and the three products from them;
- * K and V are transposed once per task. Everything is fp32. */
+ * K^T and V^T are packed once per task, in the forward's panels. Everything is fp32. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -113,7 +113,8 @@ int seqlab_causal_attention_backward(const AttentionGrad *a, int nthreads) {
     int failed = 0;
 #pragma omp parallel num_threads(nthreads)
     {
-        float *kt = aligned_alloc(64, (size_t)(D * ld) * sizeof(float)); /* K^T and V^T of the task's kv head */
+        float *kt = aligned_alloc(64, (size_t)(D * ld) * sizeof(float)); /* K^T and V^T of the task's kv head, in
+                                                                            panels of NR keys */
         float *vt = aligned_alloc(64, (size_t)(D * ld) * sizeof(float));
         float *qs = aligned_alloc(64, (size_t)(mq * D) * sizeof(float)); /* scale * Q rows of the block */
         float *dos = aligned_alloc(64, (size_t)(mq * D) * sizeof(float));
@@ -144,8 +145,8 @@ int seqlab_causal_attention_backward(const AttentionGrad *a, int nthreads) {
                 dk_st = dv_st = D, zeroed = seen;
             }
             const int64_t k_st = a->k_strides[2], v_st = a->v_strides[2];
-            transpose_rows(k, k_st, 0, seen, D, kt, ld);
-            transpose_rows(v, v_st, 0, seen, D, vt, ld);
+            pack_key_panels(k, k_st, 0, seen, D, kt, round_up(seen, NR));
+            pack_key_panels(v, v_st, 0, seen, D, vt, round_up(seen, NR));
             for (int64_t j = 0; j < zeroed; j++) {
                 memset(dk + j * dk_st, 0, (size_t)D * sizeof(float));
                 memset(dv + j * dv_st, 0, (size_t)D * sizeof(float));
@@ -174,8 +175,8 @@ int seqlab_causal_attention_backward(const AttentionGrad *a, int nthreads) {
                     for (int64_t r0 = 0; r0 < mrows; r0 += MR) {
                         const int64_t last = i0 + r0 + MR - 1; /* the tile's last query sees keys 0..last */
                         for (int64_t j0 = 0; j0 <= last && j0 < cols; j0 += NR) {
-                            score_tile(qs + r0 * D, D, kt + j0, ld, p + r0 * ld + j0, ld);
-                            score_tile(dos + r0 * D, D, vt + j0, ld, ds + r0 * ld + j0, ld);
+                            score_tile(qs + r0 * D, D, kt + j0 * D, NR, p + r0 * ld + j0, ld);
+                            score_tile(dos + r0 * D, D, vt + j0 * D, NR, ds + r0 * ld + j0, ld);
                         }
                     }
                     /* P from the forward's log-sum-exp, and dS = P (dP - delta); zero past each row's last key */

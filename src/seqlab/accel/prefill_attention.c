@@ -63,20 +63,6 @@ static inline void value_tile(const float *p, int64_t ld_p, const float *v, int6
     }
 }
 
-/* K^T in panels of NR keys: panel p holds keys p*NR .. p*NR+NR-1 as [D][NR], so a score tile reads its D x NR
- * slice of K^T as one contiguous run, where a plain [D][tpad] transpose spreads it over D rows a whole prompt
- * apart (measured on a Zen 3, one thread: the kernel 5-13 % faster with the panels). Keys n .. tpad-1 are zero. */
-static void pack_key_panels(const void *src, int64_t st, int bf16, int64_t n, int64_t D, float *dst,
-                            int64_t tpad) {
-    for (int64_t j0 = 0; j0 < tpad; j0 += NR) {
-        float *panel = dst + j0 * D;
-        for (int64_t jj = 0; jj < NR; jj++) {
-            const int64_t j = j0 + jj;
-            for (int64_t d = 0; d < D; d++) panel[d * NR + jj] = j < n ? element(src, j * st + d, bf16) : 0.0f;
-        }
-    }
-}
-
 /* qs[r] := scale * query row r (fp32, or bf16 widened), r < rows, as vectors (D is a multiple of NR); zero rows
  * from `rows` to `mrows` (the last tile's padding). Element by element this copy took 4 % of the kernel. */
 static void scaled_queries(const void *q, int64_t q0, int64_t st, int bf16, int64_t rows, int64_t mrows, int64_t D,
