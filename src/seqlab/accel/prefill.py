@@ -253,8 +253,7 @@ def choose_prefill_cast(model: nn.Module, use_cache: bool = True, allow_bf16: bo
     install(model)  # the layers' oneDNN switch, before anything is timed
     lengths = [n for n in LENGTHS if n <= model.config.max_seq_len]
     key = prefill_key(model, allow_bf16)
-    timings = timings_by_size(key, lengths,
-                              lambda n: time_prefills(model, n, casts), use_cache)
+    timings = timings_by_size(key, lengths, lambda n: time_prefills(model, n, casts), use_cache)
     steps: list[PrefillCast] = []
     for length in LENGTHS:
         dtype = _winner(timings, length, steps[-1].dtype if steps else None)
