@@ -19,15 +19,6 @@ INLINE vf load_logits(const void *x, int bf16, int64_t i) {
     return bf16 ? vload_bf16((const uint16_t *)x + i) : vload((const float *)x + i);
 }
 
-/* exp(d), and exactly 0 below vexp's range (d = -inf: a masked-out logit), as expf gives: no subnormal crumbs */
-INLINE vf exp_or_zero(vf d) {
-#ifdef __AVX512F__
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-87.3f), _CMP_GE_OQ), vexp(d));
-#else
-    return _mm256_and_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-87.3f), _CMP_GE_OQ), vexp(d));
-#endif
-}
-
 /* the row's max, or NAN where it holds a NaN or +inf, or only -inf (torch's softmax turns such a row into NaNs) */
 static float row_max(const void *x, int bf16, int64_t V) {
     vf m0 = vset1(-INFINITY), m1 = m0, s = vzero();
@@ -110,15 +101,15 @@ int seqlab_cross_entropy(const void *logits, int64_t ld, int bf16, const int64_t
             vf s0 = vzero(), s1 = vzero();
             int64_t j = 0;
             for (; j + 2 * VL <= V; j += 2 * VL) {
-                const vf a = exp_or_zero(vsub(load_logits(x, bf16, j), vm));
-                const vf b = exp_or_zero(vsub(load_logits(x, bf16, j + VL), vm));
+                const vf a = vexp_or_zero(vsub(load_logits(x, bf16, j), vm));
+                const vf b = vexp_or_zero(vsub(load_logits(x, bf16, j + VL), vm));
                 vstore(e + j, a);
                 vstore(e + j + VL, b);
                 s0 = vadd(s0, a);
                 s1 = vadd(s1, b);
             }
             for (; j + VL <= V; j += VL) {
-                const vf a = exp_or_zero(vsub(load_logits(x, bf16, j), vm));
+                const vf a = vexp_or_zero(vsub(load_logits(x, bf16, j), vm));
                 vstore(e + j, a);
                 s0 = vadd(s0, a);
             }

@@ -14,6 +14,7 @@ logsumexp - logit (the same value to fp32 rounding).
 from __future__ import annotations
 
 import ctypes
+import inspect
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +23,6 @@ import torch
 from torch import Tensor, nn
 
 from seqlab.accel.calibrate import best_of_rounds, cached_timings, dtype_name, fastest
-from seqlab.objectives import loss as objective_loss
 from seqlab.objectives.loss import IGNORE_INDEX, release_scratch, token_cross_entropy
 from seqlab.runtime import native
 
@@ -116,7 +116,7 @@ def choose_cross_entropy(model: nn.Module, rows: int, dtypes: tuple[torch.dtype,
     builds, all_timings = {}, {}
     for dtype in dtypes:
         key = f"cross-entropy|{rows}x{vocab}|{dtype_name(dtype)}|{'+'.join(isas)}|" \
-              f"{native.source_key([SOURCE, SIMD, Path(__file__), Path(objective_loss.__file__)])}"
+              f"{native.source_key([SOURCE, SIMD, Path(__file__), Path(inspect.getfile(token_cross_entropy))])}"
         candidates = {isa: FusedCrossEntropy({dtype: isa}) for isa in isas}
         timings = cached_timings(key, lambda: time_cross_entropy(rows, vocab, dtype, {"torch": None, **candidates}),
                                  use_cache)

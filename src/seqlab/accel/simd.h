@@ -25,6 +25,8 @@ typedef __m512 vf;
 #define vset1(s) _mm512_set1_ps(s)
 #define vsum(v) _mm512_reduce_add_ps(v)
 #define vround(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+/* v where d >= t, else 0 (a NaN d gives 0) */
+#define vkeep_ge(v, d, t) _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, vset1(t), _CMP_GE_OQ), v)
 /* 2^n for integral-valued float n, by building the exponent field */
 #define vpow2i(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
 INLINE vf vload_bf16(const uint16_t *p) {
@@ -59,6 +61,7 @@ INLINE float simd_hsum256(__m256 v) {
 #define vset1(s) _mm256_set1_ps(s)
 #define vsum(v) simd_hsum256(v)
 #define vround(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+#define vkeep_ge(v, d, t) _mm256_and_ps(_mm256_cmp_ps(d, vset1(t), _CMP_GE_OQ), v)
 #define vpow2i(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
 INLINE vf vload_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -97,4 +100,7 @@ INLINE vf vexp(vf x) {
     p = vfma(p, vmul(r, r), vadd(r, vset1(1.0f)));
     return vmul(p, vpow2i(n));
 }
+
+/* exp(x), and exactly 0 below vexp's range (x = -inf: a masked-out logit), as expf gives: no subnormal crumbs */
+INLINE vf vexp_or_zero(vf x) { return vkeep_ge(vexp(x), x, -87.3f); }
 #endif
