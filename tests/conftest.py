@@ -3,8 +3,20 @@ import os
 import pytest
 import torch
 
-# Two cores, two xdist workers: one thread each keeps them from fighting over the cores.
-torch.set_num_threads(int(os.environ.get("SEQLAB_TEST_THREADS", "1")))
+from tests.forked_cli import ForkedCli
+
+# Two cores, two xdist workers: one thread each keeps them from fighting over the cores; the processes the tests
+# start (the docs' commands, torchrun's ranks, the forked CLI) take the same one thread from the environment, since a
+# worker whose command ran two OpenMP threads beside the other worker's took the docs' pages 20 % longer.
+TEST_THREADS = os.environ.get("SEQLAB_TEST_THREADS", "1")
+torch.set_num_threads(int(TEST_THREADS))
+os.environ.setdefault("OMP_NUM_THREADS", TEST_THREADS)
+
+
+@pytest.fixture(scope="session")
+def forked_cli() -> ForkedCli:
+    """``seqlab ARGS`` in a process forked from one that has imported seqlab (tests/forked_cli.py)."""
+    return ForkedCli()
 
 
 @pytest.fixture(autouse=True)

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.forked_cli import ForkedCli
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
@@ -129,7 +131,10 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def run_page_commands(page: Path, places: dict[str, str], work: Path, env: dict[str, str],
-                      servers: list[subprocess.Popen]) -> int:
+                      servers: list[subprocess.Popen], forked_cli: ForkedCli) -> int:
+    """Run the page's commands in order in ``work``; ``seqlab`` commands in processes forked from one that has
+    imported seqlab (``tests/forked_cli.py``: the same ``main`` without the 2-4 s of imports each), the rest
+    (``torchrun``, ``python``, ``curl``, and ``seqlab serve``, which must outlive the command) as real processes."""
     ran = 0
     for lang, body in fenced_blocks(page):
         if lang not in SHELL_LANGS and not (lang == "" and any(
@@ -144,9 +149,8 @@ def run_page_commands(page: Path, places: dict[str, str], work: Path, env: dict[
                 servers.append(start_server([sys.executable, "-m", "seqlab", *args[1:]], work, env))
                 ran += 1
                 continue
-            if args[0] == "seqlab":
-                args = [sys.executable, "-m", "seqlab", *args[1:]]
-            elif args[0] == "python":   # scripts are named from the repository root
+            forked = args[0] == "seqlab"
+            if args[0] == "python":   # scripts are named from the repository root
                 args = [sys.executable, *(str(ROOT / a) if (ROOT / a).is_file() else a for a in args[1:])]
             elif args[0] == "torchrun":
                 args = [sys.executable, "-m", "torch.distributed.run", *args[1:]]
@@ -157,7 +161,11 @@ def run_page_commands(page: Path, places: dict[str, str], work: Path, env: dict[
                 args, redirect = args[:i] + args[i + 2:], work / args[i + 1]
             stdin, expected = _interactive(cmd)
             start = time.perf_counter()
-            proc = subprocess.run(args, cwd=work, env=env, input=stdin or "", capture_output=True, text=True, timeout=600)
+            if forked:
+                proc = forked_cli.run(args[1:], cwd=work, env=env, input=stdin or "")
+            else:
+                proc = subprocess.run(args, cwd=work, env=env, input=stdin or "", capture_output=True, text=True,
+                                      timeout=600)
             if redirect is not None:
                 redirect.write_text(proc.stdout)
             where = f"{page.name}: `{cmd.line}`"
@@ -240,12 +248,12 @@ def places(tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
-def test_page_runs_as_shown(page: Path, places: dict[str, str], tmp_path: Path) -> None:
+def test_page_runs_as_shown(page: Path, places: dict[str, str], tmp_path: Path, forked_cli: ForkedCli) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
     places = {**places, "port": str(_free_port())}   # pages run in parallel: each server gets its own port
     servers: list[subprocess.Popen] = []
     try:
-        run_page_commands(page, places, tmp_path, env, servers)
+        run_page_commands(page, places, tmp_path, env, servers, forked_cli)
         script = python_script(page).replace(":8000", f":{places['port']}")
         if script:
             for placeholder, real in places.items():

@@ -1,6 +1,7 @@
 """Bad input, table-driven: every case exits with a usage error and one stderr line, and loses nothing.
 
-Each case runs ``python -m seqlab ARGS`` in a fresh process (the way a user meets it), then asserts:
+Each case runs ``seqlab ARGS`` in a fresh process (the first case of each command as ``python -m seqlab``, the way a
+user meets it; the others forked from a process that has imported seqlab, ``tests/forked_cli.py``), then asserts:
 the exit code (2 for usage errors), a single stderr line containing ``expect`` (the field, flag or file
 that is wrong), no traceback, and that every file of an existing run directory is byte-identical.
 Cases are grouped by command; each group's table is a plain list, so a new case is one line.
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.forked_cli import ForkedCli
 
 
 @dataclass(frozen=True)
@@ -165,8 +168,10 @@ SERVE_CASES: list[Case] = [
     Case("serve-negative-queue", ["serve", "--gguf", "{tmp}/bad.gguf", "--max-queue", "-1"], "--max-queue", files={"bad.gguf": "x"}),
 ]
 
-ALL_CASES = (TRAIN_CASES + EVAL_CASES + GENERATE_CASES + CHAT_CASES + NNQS_CASES + INFO_CASES + EXPORT_CASES
-             + QUANT_CASES + SERVE_CASES)
+TABLES = (TRAIN_CASES, EVAL_CASES, GENERATE_CASES, CHAT_CASES, NNQS_CASES, INFO_CASES, EXPORT_CASES, QUANT_CASES,
+          SERVE_CASES)
+ALL_CASES = [case for table in TABLES for case in table]
+AS_PYTHON_M = {table[0].id for table in TABLES}  # one real ``python -m seqlab`` per command
 
 
 @pytest.fixture(scope="module")
@@ -182,13 +187,13 @@ def tiny_run(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("case", ALL_CASES, ids=[c.id for c in ALL_CASES])
-def test_bad_input(case: Case, tmp_path: Path, tiny_run: Path) -> None:
+def test_bad_input(case: Case, tmp_path: Path, tiny_run: Path, forked_cli: ForkedCli) -> None:
     for name, text in case.files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     args = [a.replace("{tmp}", str(tmp_path)).replace("{run}", str(tiny_run)) for a in case.args]
     before = _snapshot(tiny_run)
-    proc = run_seqlab(args, cwd=tmp_path)
+    proc = run_seqlab(args, cwd=tmp_path) if case.id in AS_PYTHON_M else forked_cli.run(args, cwd=tmp_path)
     err_lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == case.rc, f"rc={proc.returncode}\n{proc.stderr}"
     assert "Traceback" not in proc.stderr, proc.stderr

@@ -311,8 +311,8 @@ def test_torchrun_selected_sum_takes_the_same_steps_as_one_process(tmp_path):
     """The selected sum on 2 ranks: both draw the same sample tree (the same space) and split its gradient set, so
     the energies step by step are those of 1 process up to the float32 round-off of the summation order. The first
     6 steps are AdamW's; in the last 6 (L-BFGS) every rank holds the same energy and all-reduced gradient, so the
-    same line search."""
-    flags = ("--estimator", "selected-sum", "--samples", "1e6", "--lbfgs-steps", "6")
+    same line search. (A short warm start: the steps match whatever state both runs start from.)"""
+    flags = ("--estimator", "selected-sum", "--samples", "1e6", "--lbfgs-steps", "6", "--warm-start-steps", "20")
     _torchrun(1, tmp_path / "one", 12, flags)
     two = _torchrun(2, tmp_path / "two", 12, flags)
     assert two["estimator"] == "selected-sum" and two["world_size"] == 2
