@@ -11,8 +11,8 @@ weights of the model's sizes, on each route:
   oneDNN with weights packed once (a second copy of every weight, which seqlab does not keep);
 - MKL split by hand, one serial MKL call per core on its share of the columns (or rows): is MKL's two-thread rate
   held back by how MKL splits the work, or by the cores themselves (compare ``--threads 1``)?
-- numpy's BLAS (OpenBLAS in numpy's wheels, with its own pool of one thread per core: timed only where
-  ``--threads`` is the number of cores).
+- numpy's BLAS (OpenBLAS in numpy's wheels, with its own pool of a thread per core, or ``OPENBLAS_NUM_THREADS``:
+  timed only where ``--threads`` is the number of cores this process may use).
 
 ``--between`` runs one of torch's elementwise ops (on OpenMP, as the prefill's norms and rotary do) before each
 product, as a real prefill does: there a BLAS with a thread pool of its own meets torch's spinning threads. A
@@ -106,9 +106,8 @@ def measure(shapes: str, rows: int, passes: int, threads: int, between: bool = F
     routes = {"MKL (F.linear)": (F.linear, weights), "oneDNN, plain weights": (onednn, weights),
               "oneDNN, packed once": (onednn, packed)}
     routes |= {name: (product, weights) for name, product in per_core_products(threads).items()}
-    if threads == os.cpu_count():  # numpy's BLAS keeps its own thread count: all cores
-        routes[f"numpy's BLAS ({np.show_config(mode='dicts')['Build Dependencies']['blas']['name']})"] = (
-            numpy_linear, weights)
+    if threads == len(os.sched_getaffinity(0)):  # numpy's BLAS keeps its own count: a thread per core it may use
+        routes["numpy's BLAS (OpenBLAS in numpy's wheels)"] = (numpy_linear, weights)
     scratch = torch.randn(rows, products[0][0])  # a hidden state's size, for --between
     x, w = inputs[products[0][0]], weights[0][0]
     for name, (product, _) in routes.items():  # every route computes the same product

@@ -10,7 +10,7 @@ from tests.forked_cli import ForkedCli
 # worker whose command ran two OpenMP threads beside the other worker's took the docs' pages 20 % longer.
 TEST_THREADS = os.environ.get("SEQLAB_TEST_THREADS", "1")
 torch.set_num_threads(int(TEST_THREADS))
-os.environ.setdefault("OMP_NUM_THREADS", TEST_THREADS)
+os.environ["OMP_NUM_THREADS"] = TEST_THREADS
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ logsumexp - logit (the same value to fp32 rounding).
 from __future__ import annotations
 
 import ctypes
-import inspect
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -114,9 +114,10 @@ def choose_cross_entropy(model: nn.Module, rows: int, dtypes: tuple[torch.dtype,
         return None, {}
     rows = max(1, min(int(rows), MAX_TIMED_ROWS))
     builds, all_timings = {}, {}
+    loss_source = Path(sys.modules[token_cross_entropy.__module__].__file__)  # the math the kernel must match
     for dtype in dtypes:
         key = f"cross-entropy|{rows}x{vocab}|{dtype_name(dtype)}|{'+'.join(isas)}|" \
-              f"{native.source_key([SOURCE, SIMD, Path(__file__), Path(inspect.getfile(token_cross_entropy))])}"
+              f"{native.source_key([SOURCE, SIMD, Path(__file__), loss_source])}"
         candidates = {isa: FusedCrossEntropy({dtype: isa}) for isa in isas}
         timings = cached_timings(key, lambda: time_cross_entropy(rows, vocab, dtype, {"torch": None, **candidates}),
                                  use_cache)

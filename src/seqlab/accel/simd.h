@@ -101,6 +101,7 @@ INLINE vf vexp(vf x) {
     return vmul(p, vpow2i(n));
 }
 
-/* exp(x), and exactly 0 below vexp's range (x = -inf: a masked-out logit), as expf gives: no subnormal crumbs */
+/* exp(x), and exactly 0 below vexp's range (-87.3: a masked-out logit's -inf among them), where expf would give
+ * subnormals down to -103.97: softmax weights too small to matter, kept out of the sums */
 INLINE vf vexp_or_zero(vf x) { return vkeep_ge(vexp(x), x, -87.3f); }
 #endif
