@@ -130,10 +130,12 @@ def test_not_native_or_not_faster_means_no_cast(monkeypatch):
 
 
 def test_each_length_takes_its_winner_and_the_timings_are_cached(monkeypatch):
-    """An AMD EPYC's SmolLM2 case: oneDNN's fp32 wins at 64 tokens (bf16 only 1.2x ahead), bf16 from 256."""
+    """An AMD EPYC's SmolLM2 case: oneDNN's fp32 wins at 64 tokens (bf16 only 1.2x ahead), bf16 from 256 (and still
+    ahead of the exact routes at 512, where the route that runs every longer prompt is checked)."""
     monkeypatch.setattr(accel_prefill, "native_bf16", lambda: True)
     timed = []
-    times = {64: {"fp32": 1.0, "onednn": 0.6, "bf16": 0.5}, 256: {"fp32": 4.0, "onednn": 2.4, "bf16": 1.5}}
+    times = {64: {"fp32": 1.0, "onednn": 0.6, "bf16": 0.5}, 256: {"fp32": 4.0, "onednn": 2.4, "bf16": 1.5},
+             512: {"fp32": 8.0, "onednn": 5.0, "bf16": 3.0}}
 
     def fake(model, length, casts):
         timed.append(length)
@@ -141,7 +143,7 @@ def test_each_length_takes_its_winner_and_the_timings_are_cached(monkeypatch):
 
     monkeypatch.setattr(accel_prefill, "time_prefills", fake)
     cast, _ = choose_prefill_cast(long_context_model())
-    assert cast == PrefillCast(torch.float32, 64, PrefillCast(torch.bfloat16, 256)) and timed == [64, 256]
+    assert cast == PrefillCast(torch.float32, 64, PrefillCast(torch.bfloat16, 256)) and timed == [64, 256, 512]
     assert cast.label == "64+ tokens in fp32 on oneDNN, 256+ in bf16"
     with cast.context(63):
         assert not torch.is_autocast_enabled("cpu") and not accel_prefill._ONEDNN.get()
@@ -158,7 +160,8 @@ def test_each_length_takes_its_winner_and_the_timings_are_cached(monkeypatch):
 def test_a_route_that_stops_winning_gives_way_to_plain_products(monkeypatch):
     """A Zen 3 EPYC's 6-layer case: oneDNN's fp32 13 % ahead at 64 tokens, 3 % behind MKL at 256 -> plain from 256.
     A lead under the 1.1x margin at a longer length keeps the route (the margin is for taking one, not keeping it)."""
-    times = {64: {"fp32": 0.0363, "onednn": 0.0321}, 256: {"fp32": 0.0823, "onednn": 0.0851}}
+    times = {64: {"fp32": 0.0363, "onednn": 0.0321}, 256: {"fp32": 0.0823, "onednn": 0.0851},
+             512: {"fp32": 0.170, "onednn": 0.160}}
     monkeypatch.setattr(accel_prefill, "time_prefills",
                         lambda model, length, casts: {k: times[length][k] for k in casts})
     cast, _ = choose_prefill_cast(long_context_model(), allow_bf16=False)
@@ -177,6 +180,61 @@ def test_a_route_that_stops_winning_gives_way_to_plain_products(monkeypatch):
         torch.float32, 64)
     times[64]["onednn"] = 0.035  # no winner at 64 either: plain throughout
     assert choose_prefill_cast(long_context_model(), use_cache=False, allow_bf16=False)[0] is None
+
+
+def test_the_route_left_for_every_longer_prompt_must_not_lose_to_plain_at_512_tokens(monkeypatch):
+    """A Zen 3's SmolLM2 case: oneDNN 1.1x ahead of MKL at 64 tokens, still ahead at 256, 7 % behind at 512 (837
+    against 779 ms) -> plain from 512. A tie at 512 keeps the route; where plain runs from 256, 512 is not timed."""
+    timed = []
+    times = {64: {"fp32": 0.166, "onednn": 0.150}, 256: {"fp32": 0.437, "onednn": 0.424},
+             512: {"fp32": 0.779, "onednn": 0.837}}
+
+    def fake(model, length, casts):
+        timed.append(length)
+        return {k: times[length][k] for k in casts}
+
+    monkeypatch.setattr(accel_prefill, "time_prefills", fake)
+    cast, timings = choose_prefill_cast(long_context_model(), allow_bf16=False)
+    assert cast == PrefillCast(torch.float32, 64, PrefillCast(None, 512))
+    assert cast.label == "64+ tokens in fp32 on oneDNN, 512+ in plain fp32"
+    assert timed == [64, 256, 512] and timings["onednn@512"] == 0.837
+    with cast.context(511):
+        assert accel_prefill._ONEDNN.get()
+    with cast.context(512):
+        assert not accel_prefill._ONEDNN.get()
+    monkeypatch.setattr(accel_prefill, "time_prefills", lambda *a: pytest.fail("timed although cached"))
+    assert choose_prefill_cast(long_context_model(), allow_bf16=False)[0] == cast  # the check is cached too
+    monkeypatch.setattr(accel_prefill, "time_prefills", fake)
+    times[512]["onednn"] = 0.779  # a tie: the route goes on
+    assert choose_prefill_cast(long_context_model(), use_cache=False, allow_bf16=False)[0] == PrefillCast(
+        torch.float32, 64)
+    times[256]["onednn"] = 0.45  # plain from 256 on: nothing left to check
+    timed.clear()
+    assert choose_prefill_cast(long_context_model(), use_cache=False, allow_bf16=False)[0] == PrefillCast(
+        torch.float32, 64, PrefillCast(None, 256))
+    assert timed == [64, 256]
+    times[256]["onednn"] = 0.424  # a context shorter than 512 tokens: nothing to check either
+    timed.clear()
+    short = build_model(ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96,
+                                    max_seq_len=511)).eval()
+    assert choose_prefill_cast(short, use_cache=False, allow_bf16=False)[0] == PrefillCast(torch.float32, 64)
+    assert timed == [64, 256]
+
+
+def test_a_bf16_route_at_512_tokens_gives_way_to_a_faster_exact_one(monkeypatch):
+    """bf16 wins from 64 tokens; at 512 oneDNN's fp32 measures faster: oneDNN from 512 (exact, and faster)."""
+    monkeypatch.setattr(accel_prefill, "native_bf16", lambda: True)
+    times = {64: {"fp32": 1.0, "onednn": 0.9, "bf16": 0.5}, 256: {"fp32": 4.0, "onednn": 3.5, "bf16": 2.0},
+             512: {"fp32": 8.0, "onednn": 4.0, "bf16": 4.4}}
+    monkeypatch.setattr(accel_prefill, "time_prefills",
+                        lambda model, length, casts: {k: times[length][k] for k in casts})
+    cast, _ = choose_prefill_cast(long_context_model())
+    assert cast == PrefillCast(torch.bfloat16, 64, PrefillCast(torch.float32, 512))
+    assert cast.label == "64+ tokens in bf16, 512+ in fp32 on oneDNN"
+    times[512]["onednn"] = 7.5  # oneDNN no faster than plain by its margin, bf16 slower than plain: plain from 512
+    times[512]["bf16"] = 8.5
+    assert choose_prefill_cast(long_context_model(), use_cache=False)[0] == PrefillCast(
+        torch.bfloat16, 64, PrefillCast(None, 512))
 
 
 def test_a_kept_bf16_step_gives_way_where_an_exact_route_is_faster(monkeypatch):
