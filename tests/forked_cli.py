@@ -30,7 +30,14 @@ import seqlab
 
 PRELOAD = ["seqlab.cli", "torch._dynamo"]
 IMPORT_TIME_VARS = ("OMP_", "KMP_", "GOMP_", "MKL_", "ATEN_", "ONEDNN_", "DNNL_", "TORCH", "PYTORCH_", "SEQLAB_")
-SEQLAB_ROOT = str(Path(seqlab.__file__).resolve().parents[1])
+
+
+def seqlab_root() -> str:
+    """The folder this process imports seqlab from (``src`` of a checkout, or site-packages)."""
+    return str(Path(seqlab.__file__).resolve().parents[1])
+
+
+SEQLAB_ROOT = seqlab_root()
 
 
 class ForkedCli:
@@ -68,7 +75,8 @@ class ForkedCli:
         with tempfile.TemporaryDirectory(prefix="seqlab-forked-") as tmp:
             stdin, out, err = (Path(tmp) / name for name in ("stdin", "stdout", "stderr"))
             stdin.write_text(input)
-            out.touch(), err.touch()
+            for empty in (out, err):  # a child that dies before it opens them reads as empty output
+                empty.touch()
             files = (str(stdin), str(out), str(err))
             proc = self.context.Process(target=_main, args=(list(args), str(cwd), env, files, SEQLAB_ROOT))
             proc.start()
@@ -95,7 +103,7 @@ def _main(args: list[str], cwd: str, env: dict[str, str], files: tuple[str, str,
             os.dup2(handle, fd)
             os.close(handle)
     sys.stdin = open(0, closefd=False)
-    if str(Path(seqlab.__file__).resolve().parents[1]) != root:
+    if seqlab_root() != root:
         raise RuntimeError(f"forked seqlab: the forkserver imported {seqlab.__file__}, not the one under {root}")
     from seqlab.cli import main  # the forkserver imported it (not the workers: a broken command fails its tests only)
 

@@ -49,8 +49,7 @@ LENGTHS = (64, 256)  # prompt lengths timed: each one's winner takes the prompts
 CHECK_LENGTH = 512
 MIN_SPEEDUP = 1.25  # bf16, as for bf16 decode (seqlab.accel.apply.BF16_MIN_SPEEDUP): only where clearly faster
 ONEDNN_MIN_SPEEDUP = 1.1  # fp32 on oneDNN changes only the rounding: a clear margin over timing noise suffices
-ROUNDS = 2  # best of 2 after a warm-up: SmolLM2's three routes at both lengths take about 5 s once per CPU (plus the
-# check at CHECK_LENGTH where it runs)
+ROUNDS = 2  # best of 2 after a warm-up: SmolLM2's three routes at both lengths take about 5 s once per CPU
 
 
 _ONEDNN: contextvars.ContextVar[bool] = contextvars.ContextVar("seqlab_prefill_onednn", default=False)
