@@ -265,3 +265,17 @@ def test_page_runs_as_shown(page: Path, places: dict[str, str], tmp_path: Path, 
     finally:
         for server in servers:
             stop_server(server)
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_relative_links_resolve(page: Path) -> None:
+    """A page's links to other files of the repository (docs split or renamed) point at files that exist."""
+    broken = []
+    for match in LINK.finditer(page.read_text()):
+        target = match.group(1).split("#")[0]
+        if target and not re.match(r"[a-z]+:", target) and not (page.parent / target).exists():
+            broken.append(match.group(1))
+    assert not broken, f"{page.name} links to missing files: {broken}"

@@ -2,7 +2,9 @@ import stat
 
 import pytest
 
-from seqlab.runtime.files import atomic_path, atomic_write_bytes, read_json_object
+from seqlab.accel import calibrate
+from seqlab.runtime import native
+from seqlab.runtime.files import atomic_path, atomic_write_bytes, cache_root, read_json_object
 
 
 class BadDocument(Exception):
@@ -47,3 +49,18 @@ def test_a_bad_json_file_is_one_error_of_the_callers_class_naming_the_file(tmp_p
         path.write_text(text)
     with pytest.raises(BadDocument, match=message):
         read_json_object(path, BadDocument)
+
+
+def test_one_variable_moves_every_cache(monkeypatch, tmp_path):
+    """$SEQLAB_CACHE holds the kernels and the calibration timings; $SEQLAB_ACCEL_CACHE still moves the timings
+    alone; without either, $XDG_CACHE_HOME/seqlab, then ~/.cache/seqlab."""
+    for var in ("SEQLAB_CACHE", "SEQLAB_ACCEL_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == calibrate.cache_dir() == native.cache_dir() == tmp_path / "home" / ".cache" / "seqlab"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert calibrate.cache_dir() == native.cache_dir() == tmp_path / "xdg" / "seqlab"
+    monkeypatch.setenv("SEQLAB_CACHE", str(tmp_path / "all"))
+    assert calibrate.cache_dir() == native.cache_dir() == tmp_path / "all"
+    monkeypatch.setenv("SEQLAB_ACCEL_CACHE", str(tmp_path / "timings"))
+    assert calibrate.cache_dir() == tmp_path / "timings" and native.cache_dir() == tmp_path / "all"

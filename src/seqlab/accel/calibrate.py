@@ -6,8 +6,9 @@ shape class times the routes (interleaved rounds, best round per call, on throwa
 the timings on disk, keyed by :class:`~seqlab.runtime.cpu.CpuSignature`. A different CPU, ISA cap, thread count or
 torch version is a different cache file, and a file whose stored signature disagrees is ignored.
 
-Cache location: ``$SEQLAB_ACCEL_CACHE`` (a folder) or ``$XDG_CACHE_HOME/seqlab`` or ``~/.cache/seqlab``; one file
-``accel-<signature hash>.json`` per signature. Delete it to recalibrate.
+Cache location: ``$SEQLAB_ACCEL_CACHE`` (a folder), else seqlab's cache folder (``$SEQLAB_CACHE``, else
+``$XDG_CACHE_HOME/seqlab`` or ``~/.cache/seqlab``); one file ``accel-<signature hash>.json`` per signature. Delete it
+to recalibrate.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from torch import nn
 from seqlab.runtime.cpu import CpuSignature, current_signature
 from seqlab.accel.routes import Route, Use
 from seqlab.runtime import atomic_write_json
+from seqlab.runtime.files import cache_root
 
 try:  # POSIX only; elsewhere concurrent calibrations may each keep their own choice
     import fcntl
@@ -46,8 +48,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 def cache_dir() -> Path:
     if os.environ.get(CACHE_ENV):
         return Path(os.environ[CACHE_ENV])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "seqlab"
+    return cache_root()
 
 
 def cache_path(sig: CpuSignature) -> Path:

@@ -1,4 +1,4 @@
-"""Atomic file writes: a temporary file in the same folder, fsync, then ``os.replace``.
+"""Atomic file writes: a temporary file in the same folder, fsync, then ``os.replace``; and where seqlab caches.
 
 Readers see the old file or the new one, never half of either, whatever signal or crash comes in between.
 """
@@ -22,6 +22,14 @@ def _read_umask() -> int:
 
 # Read once, at import: os.umask can only be read by setting it, which is not safe while other threads create files.
 _NEW_FILE_MODE = 0o666 & ~_read_umask()
+
+
+def cache_root() -> Path:
+    """The folder of everything seqlab caches (compiled kernels, calibration timings): ``$SEQLAB_CACHE``, else
+    ``$XDG_CACHE_HOME/seqlab``, else ``~/.cache/seqlab``. One variable moves all of it (a read-only home, a test)."""
+    if os.environ.get("SEQLAB_CACHE"):
+        return Path(os.environ["SEQLAB_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "seqlab"
 
 
 def fsync_path(path: str | os.PathLike) -> None:

@@ -1,8 +1,8 @@
 """seqlab's own small C libraries: compiled with the machine's C compiler at first use, loaded with ``ctypes``.
 
 Why C through ``ctypes`` rather than a torch C++ extension: the sources need no torch headers and no ninja, so they
-build in about a second with plain ``gcc`` on a clean machine. A library is cached under ``$SEQLAB_CACHE``
-(default ``~/.cache/seqlab``) by a hash of its sources and flags, so a changed source or compiler gets its own build.
+build in about a second with plain ``gcc`` on a clean machine. A library is cached under ``runtime.files.cache_root()``
+(``$SEQLAB_CACHE``, default ``~/.cache/seqlab``) by a hash of its sources and flags, so a changed source or compiler gets its own build.
 Each source can be built for AVX2 + FMA (both CPU families of the project have it) and, where the CPU has it and no
 ISA cap hides it, for AVX-512; which build runs is decided by timing, by the caller.
 """
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from seqlab.runtime.cpu import current_signature
-from seqlab.runtime.files import atomic_path
+from seqlab.runtime.files import atomic_path, cache_root
 
 BASE_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 ISA_FLAGS = {"avx2": (), "avx512": ("-mavx512f", "-mavx512bw")}
@@ -45,7 +45,7 @@ def isa_allowed(isa: str) -> str | None:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SEQLAB_CACHE", Path.home() / ".cache" / "seqlab"))
+    return cache_root()
 
 
 def compiler() -> str | None:
