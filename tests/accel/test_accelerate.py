@@ -1,6 +1,7 @@
 """accelerate(): same numbers as the plain model (per-dtype tolerances), choices by measurement, cache per CPU."""
 import copy
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -178,6 +179,34 @@ def test_cache_is_reused_and_invalidated_by_cpu_or_torch(monkeypatch):
     doc = path.read_text().replace(real.torch_version, "0.0.0")
     path.write_text(doc)
     assert calibrate.load_cache(real) == {}
+
+
+def test_the_calibration_time_counts_every_step_that_measured_and_nothing_read_from_the_cache(monkeypatch):
+    def measure():
+        time.sleep(0.2)
+        return {"a": 1.0}
+
+    with calibrate.measuring_time() as seconds:
+        calibrate.cached_timings("probe", measure)
+        assert seconds[0] >= 0.2
+        before = seconds[0]
+        assert calibrate.cached_timings("probe", measure) == {"a": 1.0}  # from the cache: no time counted
+        assert seconds[0] == before
+    choose_fused = accel_apply.choose_fused
+
+    def slow_step_check(*args, **kwargs):  # a step after the products' timing that measures for 0.2 s
+        calibrate.cached_timings("slow step", measure)
+        return choose_fused(*args, **kwargs)
+
+    monkeypatch.setattr(accel_apply, "choose_fused", slow_step_check)
+    model = tiny_model()
+    accelerate(model, "decode", rows=1, dtype="fp32", budget_s=0.3)
+    plan = model.accel_plan
+    assert plan.calibration_s >= 0.2 and f"calibrated in {plan.calibration_s:.1f} s" in plan.summary()
+    assert plan.cache_file and plan.cache_file in plan.summary()
+    accelerate(model, "decode", rows=1, dtype="fp32", budget_s=0.3)
+    assert model.accel_plan.calibration_s == 0.0
+    assert f"timings from {plan.cache_file}" in model.accel_plan.summary()
 
 
 def test_restore_plain_and_the_off_switch(monkeypatch):

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from seqlab.accel.calibrate import dtype_name, fastest, load_cache, shape_key, store_cache, time_routes
+from seqlab.accel.calibrate import (cache_path, count_measuring, dtype_name, fastest, load_cache, measuring_time,
+                                    shape_key, store_cache, time_routes)
 from seqlab.accel.cross_entropy import choose_cross_entropy
 from seqlab.accel.fused_gelu import choose_gelu
 from seqlab.accel.fused_gelu import install as install_gelu
@@ -70,8 +71,11 @@ class AccelPlan:
     dtype: str
     shapes: dict[str, list[ShapeChoice]] = field(default_factory=dict)  # dtype -> per-shape choices
     dtype_totals_s: dict[str, float] = field(default_factory=dict)  # dtype -> summed best time of every layer
-    calibration_s: float = 0.0  # time spent measuring now (0.0: everything came from the cache)
+    # seconds spent taking timings now, by accelerate's every step (plan_for alone: its products); 0.0: every
+    # timing came from the cache
+    calibration_s: float = 0.0
     signature: str = ""
+    cache_file: str = ""  # where the timings are kept ("": not cached)
     # the whole-pass check (seqlab.accel.verify): seconds per pass over the converted layers, "dense" and "plan"
     pass_s: dict[str, float] = field(default_factory=dict)
     kept: bool = True  # False: the routes lost the whole-pass check and the model was left plain
@@ -113,8 +117,10 @@ class AccelPlan:
         return "dense"
 
     def summary(self) -> str:
-        lines = [f"accel for {self.for_} ({self.rows} rows/product): dtype {self.dtype}; "
-                 f"calibrated in {self.calibration_s:.1f} s (cache key {self.signature})"]
+        where = f"cached in {self.cache_file}" if self.cache_file else "not cached"
+        timed = (f"calibrated in {self.calibration_s:.1f} s, {where}" if self.calibration_s or not self.cache_file
+                 else f"timings from {self.cache_file} (delete it to measure again)")
+        lines = [f"accel for {self.for_} ({self.rows} rows/product): dtype {self.dtype}; {timed}"]
         for dt, total in self.dtype_totals_s.items():
             lines.append(f"  {dt}: all products {total * 1e3:.3f} ms")
             for c in self.shapes.get(dt, []):
@@ -193,7 +199,9 @@ def plan_for(model: nn.Module, for_: str = "decode", *, rows: int | None = None,
     t0 = time.perf_counter()
     measured = {shape_key(use, *s): time_routes(use, *s, all_routes, budget_s / len(todo)) for use, s in todo}
     plan = AccelPlan(for_, rows, dtype_name(dtypes[0]), signature=sig.key(),
-                     calibration_s=time.perf_counter() - t0 if todo else 0.0)
+                     calibration_s=time.perf_counter() - t0 if todo else 0.0,
+                     cache_file=str(cache_path(sig)) if use_cache else "")
+    count_measuring(plan.calibration_s)
     entries = (store_cache(sig, measured) if use_cache else {}) | {k: v for k, v in measured.items()
                                                                  if not use_cache}
     for use in uses:
@@ -266,8 +274,12 @@ def accelerate(model: nn.Module, for_: str = "decode", *, rows: int | None = Non
     The measurements draw on a forked random generator: a seeded run (dropout masks, data order) is the same
     whether the calibration cache was cold or warm.
     """
-    with torch.random.fork_rng(devices=[]):
-        return _accelerate(model, for_, rows, dtype, routes, budget_s, use_cache, verify, fused, seq_len)
+    with torch.random.fork_rng(devices=[]), measuring_time() as measured:
+        model = _accelerate(model, for_, rows, dtype, routes, budget_s, use_cache, verify, fused, seq_len)
+    plan = model.__dict__.get("accel_plan")
+    if plan is not None:  # every step's timing, not only the products'
+        plan.calibration_s = measured[0]
+    return model
 
 
 def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torch.dtype | None,
@@ -321,7 +333,9 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
         sig = current_signature()
         plan.pass_s = dict(load_cache(sig).get(key, {})) if use_cache else {}
         if not plan.pass_s:
+            t0 = time.perf_counter()
             plan.pass_s["dense"] = time_pass([model.get_submodule(n) for n, _ in targets], use)
+            count_measuring(time.perf_counter() - t0)
         elif fastest(plan.pass_s) == "dense":
             targets = []  # a cached verdict against these routes: do not convert at all
     # names, not modules: each dense layer can be freed as soon as its replacement exists (peak ~ one layer)
@@ -329,7 +343,9 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, route.convert(model.get_submodule(name), use))
     if checked and "plan" not in plan.pass_s:
+        t0 = time.perf_counter()
         plan.pass_s["plan"] = time_pass([model.get_submodule(n) for n, _ in targets], use)
+        count_measuring(time.perf_counter() - t0)
         if use_cache:
             plan.pass_s = dict(store_cache(sig, {key: plan.pass_s})[key])
     if checked and fastest(plan.pass_s) == "dense":

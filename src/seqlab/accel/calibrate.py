@@ -12,10 +12,12 @@ to recalibrate.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -39,6 +41,29 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 _HOPELESS = 20.0
 # a route replaces the plain one only when it is at least this much (a fraction) faster
 MIN_GAIN = 0.05
+
+
+# seconds of timing taken (not read from the cache) within the enclosing measuring_time(), if any
+_MEASURING: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("seqlab_measuring_s", default=None)
+
+
+@contextlib.contextmanager
+def measuring_time() -> Iterator[list[float]]:
+    """Within it, the seconds spent taking timings (not those read from the cache) add up in the list's one item:
+    what ``accelerate`` reports as its calibration, however many of its steps measured."""
+    total = [0.0]
+    token = _MEASURING.set(total)
+    try:
+        yield total
+    finally:
+        _MEASURING.reset(token)
+
+
+def count_measuring(seconds: float) -> None:
+    """Add ``seconds`` of timing to the enclosing :func:`measuring_time` (none: nothing to do)."""
+    total = _MEASURING.get()
+    if total is not None:
+        total[0] += seconds
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -203,7 +228,9 @@ def cached_timings(key: str, measure: Callable[[], dict[str, float]], use_cache:
     sig = current_signature()
     timings = dict(load_cache(sig).get(key, {})) if use_cache else {}
     if not timings:
+        t0 = time.perf_counter()
         timings = measure()
+        count_measuring(time.perf_counter() - t0)
         if use_cache:
             timings = dict(store_cache(sig, {key: timings})[key])
     return timings
