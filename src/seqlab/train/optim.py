@@ -40,7 +40,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     kwargs = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     params = [{k: v for k, v in g.items() if k != "names"} for g in groups if g["params"]]
     # fused AdamW is one kernel per parameter on CUDA and on CPU (a few times faster there than foreach, see
-    # docs/acceleration.md); foreach stays the path elsewhere.
+    # docs/acceleration-measured.md); foreach stays the path elsewhere.
     device_type = next(model.parameters()).device.type
     if device_type in ("cuda", "cpu") and "fused" in inspect.signature(torch.optim.AdamW).parameters:
         kwargs["fused"] = True
