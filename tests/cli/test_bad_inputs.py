@@ -67,6 +67,7 @@ EVAL_CASES: list[Case] = [
     Case("eval-json-is-a-directory", ["eval", "{run}", "--json", "{tmp}"], "is a directory"),
     Case("eval-device-cuda-missing", ["eval", "{run}", "--device", "cuda:99"], "--device cuda:99"),
     Case("eval-no-checkpoint", ["eval", "{tmp}"], "no model here"),
+    Case("eval-split-test", ["eval", "{run}", "--split", "test"], "no separate test split"),
 ]
 
 GENERATE_CASES: list[Case] = [

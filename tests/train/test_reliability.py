@@ -34,6 +34,11 @@ def test_a_new_run_never_mixes_with_an_old_one(tmp_path, capsys):
     assert len(err) == 1 and "--resume" in err[0] and "--overwrite" in err[0]
     assert _tree(run) == before  # refused before anything was written
 
+    # a bad option is refused before --overwrite moves anything
+    assert main(["train", *TINY, "--max-steps", "2", "--out", str(run), "--overwrite", "--seq-len", "0"]) == 2
+    assert "seq_len" in capsys.readouterr().err
+    assert _tree(run) == before and not list(tmp_path.glob("R.old-*"))
+
     assert main(["train", *TINY, "--max-steps", "2", "--ckpt-interval", "1", "--out", str(run), "--overwrite"]) == 0
     (old,) = tmp_path.glob("R.old-*")
     assert _tree(old) == before  # moved aside whole, not deleted

@@ -170,6 +170,8 @@ def run_train(args: argparse.Namespace) -> int:
     if args.resume and args.overwrite:
         raise ValueError("--resume and --overwrite contradict each other: continue the run in --out, or replace it")
     main_rank = int(os.environ.get("RANK", "0")) == 0
+    cfg = make_config(args)  # every option checked before --overwrite moves an old run aside
+    resolve_device(cfg.device)  # a missing GPU fails now, not after the data is built
     if args.resume:
         if main_rank and existing_run(args.out) is None:  # a retry loop's first launch, or a mistyped --out: say which
             print(f"[seqlab] --resume: {args.out} holds no run yet; starting a new one there", file=sys.stderr)
@@ -178,8 +180,8 @@ def run_train(args: argparse.Namespace) -> int:
         moved = claim_run_dir(args.out, existing_run(args.out), overwrite=args.overwrite)
         if moved is not None:
             print(f"[seqlab] --overwrite: the previous run in {args.out} was moved to {moved}")
-    cfg = make_config(args) if args.resume else pin_init(make_config(args))
-    resolve_device(cfg.device)  # a missing GPU fails now, not after the data is built
+    if not args.resume:
+        cfg = pin_init(cfg)  # after the move, so an --init naming the replaced run is not pinned to its old place
     run = build_run(cfg, resume=args.resume, load_folder=_load_model_folder)
     if cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available()):
         # same Parameters: the product routes, the GELU and the causal attention, each where it times faster

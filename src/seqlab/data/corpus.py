@@ -14,7 +14,7 @@ from importlib import resources
 
 CORPUS_FILE = "shakespeare.json.xz"
 SPLITS = ("train", "validation")
-_ALIASES = {"val": "validation", "valid": "validation", "eval": "validation", "test": "validation"}
+_ALIASES = {"val": "validation", "valid": "validation", "eval": "validation"}
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,8 @@ class Document:
 def normalise_split(split: str) -> str:
     split = _ALIASES.get(split, split)
     if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS} (or val/valid)")
+        hint = "; there is no separate test split: the held-out data is 'validation'" if split == "test" else ""
+        raise ValueError(f"unknown split {split!r}; expected one of {SPLITS} (or val/valid/eval){hint}")
     return split
 
 

@@ -81,7 +81,7 @@ def _eval_data(cfg: TrainConfig, tok: Any, data: str | None, split: str) -> tupl
     if split != "all" and normalise_split(split) == "validation" and cfg.val_data is not None:
         return validation_dataset(cfg, tok), cfg.val_data, "all"
     ds = build_dataset(cfg.objective, cfg.data, tok, cfg.seq_len, split, cfg.seed, **dataset_options(cfg))
-    return ds, cfg.data or "embedded default", split
+    return ds, cfg.data or "embedded default", split if split == "all" else normalise_split(split)
 
 
 def _setup_objective(objective: Any, model: torch.nn.Module, cfg: TrainConfig, load_folder: FolderLoader | None,
