@@ -84,6 +84,12 @@ GENERATE_CASES: list[Case] = [
 ]
 
 CHAT_CASES: list[Case] = [
+    Case("generate-max-new-tokens-zero", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    Case("generate-system-without-chat", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--system", "be brief"], "--system is the system prompt of --chat"),
+    Case("generate-greedy-with-temperature", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--strategy", "greedy", "--temperature", "0.7"], "--strategy greedy takes the likeliest token"),
+    Case("generate-prompts-file-missing", ["generate", "--checkpoint", "{run}", "--prompts-file", "{tmp}/nope.txt"], "nope.txt: file not found"),
+    Case("chat-empty-message", ["chat", "--checkpoint", "{run}", "--message", "  "], "--message is empty"),
+    Case("demo-time-zero", ["demo", "--time", "0", "--out", "{tmp}/demo"], "--time must be positive"),
     Case("chat-max-new-tokens-beyond-context", ["chat", "--checkpoint", "{run}", "--message", "hi", "--max-new-tokens", "100000"], "does not fit the model's context of"),
     Case("chat-device-cuda", ["chat", "--checkpoint", "{run}", "--message", "hi", "--device", "cuda:99"], "--device cuda:99"),
     Case("chat-config-type", ["chat", "--checkpoint", "{tmp}/m", "--message", "hi"], "ModelConfig.n_kv_heads", files={"m/config.json": '{"format": "seqlab", "config": {"n_kv_heads": "2"}}'}),
@@ -154,6 +160,7 @@ QUANT_CASES: list[Case] = [
     Case("quantize-not-gguf", ["quantize", "--gguf", "{tmp}/x.gguf", "--bits", "8", "--out", "{tmp}/q"], "not a GGUF file", files={"x.gguf": "hello, this is plainly not a model file"}),
     Case("quantized-altered", ["generate", "--checkpoint", "{tmp}/q", "--prompt", "hi"], "truncated or altered", files={"q/config.json": '{"format": "seqlab", "config": {}, "quant": {"layout": {"layers": {}}, "sha256": "00"}}', "q/model.safetensors": "not the weights"}),
     Case("perplexity-empty-text", ["perplexity", "--checkpoint", "{run}/checkpoints/step_00000002", "--file", "{tmp}/e.txt"], "the text is empty", files={"e.txt": "  \n"}),
+    Case("perplexity-file-is-a-folder", ["perplexity", "--checkpoint", "{run}/checkpoints/step_00000002", "--file", "{tmp}"], "a folder, not a text file"),
     Case("perplexity-quant-gguf-on-checkpoint", ["perplexity", "--checkpoint", "{run}/checkpoints/step_00000002", "--quant", "gguf", "--split", "validation"], "--quant gguf keeps"),
     Case("perplexity-bad-stride", ["perplexity", "--checkpoint", "{run}/checkpoints/step_00000002", "--file", "{tmp}/t.txt", "--stride", "0"], "--stride 0", files={"t.txt": "some text"}),
     Case("generate-quant-gguf-on-checkpoint", ["generate", "--checkpoint", "{run}/checkpoints/step_00000002", "--prompt", "hi", "--quant", "gguf"], "--quant gguf keeps"),

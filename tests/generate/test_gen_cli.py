@@ -58,6 +58,18 @@ def test_over_long_prompt_is_a_clear_error(ckpt, capsys):
                  "--truncate"]) == 0
     assert main(["generate", "--checkpoint", str(d), "--prompt", "x", "--top-p", "0"]) == 2
     assert "GenerationConfig.top_p must be in (0, 1]" in capsys.readouterr().err
+    assert main(["generate", "--checkpoint", str(d), "--prompt", "x" * 40, "--max-new-tokens", "2"]) == 2
+    assert "(--max-new-tokens)" in (err := capsys.readouterr().err) and "(--truncate)" in err  # the CLI's flags too
+
+
+def test_generating_past_the_context_warns(ckpt, capsys):
+    """Rotary positions go on past max_seq_len (32 here): allowed, but said, since the model never saw them."""
+    d, model, _ = ckpt
+    assert model.config.pos != "learned"
+    assert main(["generate", "--checkpoint", str(d), "--prompt", "hi", "--max-new-tokens", "40"]) == 0
+    assert "runs past the model's context of 32 tokens" in capsys.readouterr().err
+    assert main(["generate", "--checkpoint", str(d), "--prompt", "hi", "--max-new-tokens", "8"]) == 0
+    assert "runs past" not in capsys.readouterr().err
 
 
 def test_truncate_keeps_the_generated_text(ckpt, tmp_path, capsys):

@@ -138,6 +138,8 @@ def _load_chat_model(args):
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    if args.message is not None and not args.message.strip():  # (the interactive session skips blank lines)
+        raise ValueError("--message is empty: give the text the model should answer")
     path, model, tokenizer = _load_chat_model(args)
     session = ChatSession(model, tokenizer, system=args.system, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,

@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--file", metavar="PATH", help="read sentences from this file, one per line")
     e.add_argument("--max-length", type=int, default=None, help="truncate inputs to this many tokens "
                    "(default: sentence_bert_config.json's max_seq_length, else 512)")
-    e.add_argument("--batch-size", type=int, default=32)
+    e.add_argument("--batch-size", type=int, default=32, help="texts per forward pass (default 32)")
     e.add_argument("--cosine", action="store_true", help="print the cosine-similarity matrix instead of the vectors")
     e.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     e.add_argument("--debug", action="store_true", help="show tracebacks")

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
+from pathlib import Path
 
 import torch
 
@@ -49,10 +51,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the model's chat "
                    "template and print only the reply (as `seqlab chat --message` does)")
     p.add_argument("--system", metavar="TEXT", help="system prompt for --chat")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy (default 1.0: with no other "
+                   "sampling knob set, greedy decoding)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default 0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set holding this much "
+                   "probability (default 1.0: all)")
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--num-beams", type=int, default=None, help="beams for beam search (default 4 with --strategy "
@@ -60,7 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--length-penalty", type=float, default=1.0)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated (batch of one prompt)")
     p.add_argument("--truncate", action="store_true", help="keep the last tokens of an over-long prompt")
     p.add_argument("--no-bos", action="store_true", help="no BOS token (seqlab checkpoints get one by default; HF and "
@@ -109,12 +113,22 @@ def _check_combination(args, strategy: str) -> None:
                          + (" (--draft runs speculative decoding)" if args.draft else ""))
     if strategy == "speculative" and not args.draft:
         raise ValueError("--strategy speculative needs --draft DIR")
+    if strategy == "greedy" and args.strategy and _sampling_knob(args) and args.temperature > 0:
+        raise ValueError("--strategy greedy takes the likeliest token: --temperature/--top-k/--top-p/--min-p do not "
+                         "apply (drop them, or use --strategy sample)")
+    if args.system is not None and not args.chat:
+        raise ValueError("--system is the system prompt of --chat: add --chat, or drop --system")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.json:
         check_writable(args.json, "--json")
     if args.prompts_file:
+        if not Path(args.prompts_file).is_file():
+            raise ValueError(f"--prompts-file {args.prompts_file}: "
+                             f"{'a folder, not a file' if Path(args.prompts_file).is_dir() else 'file not found'}")
         with open(args.prompts_file, encoding="utf-8") as f:
             prompts = [line.rstrip("\n") for line in f if line.strip()]
         if not prompts:
@@ -140,6 +154,11 @@ def run(args: argparse.Namespace) -> int:
         rows = [prompt_ids(loaded, p, bos=not args.no_bos) for p in prompts]
     pad = tok.pad_id if tok.pad_id is not None else (model.config.pad_token_id or 0)
     T = max(len(r) for r in rows)
+    context = model.config.max_seq_len
+    if not is_encoder_decoder(model) and model.config.pos != "learned" and T <= context < T + args.max_new_tokens:
+        warnings.warn(f"the prompt ({T} tokens) + --max-new-tokens {args.max_new_tokens} runs past the model's context "
+                      f"of {context} tokens: the positions go on, but the model was not trained that far, and "
+                      f"every step attends to all the tokens before it", stacklevel=1)
     ids = torch.tensor([[pad] * (T - len(r)) + r for r in rows], dtype=torch.long,
                        device=next(model.parameters()).device)
     mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=ids.device)

@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     mol.add_argument("--xyz", metavar="FILE", help="geometry from a standard .xyz file (count, comment, El x y z)")
     p.add_argument("--unit", choices=UNITS, default=None,
                    help="unit of --atom / --xyz coordinates (default angstrom, the .xyz convention)")
-    p.add_argument("--basis", default="sto-3g")
+    p.add_argument("--basis", default="sto-3g", help="PySCF basis set name (default sto-3g)")
     p.add_argument("--charge", type=int, default=None)
     p.add_argument("--spin", type=int, default=None, help="2S = N_alpha - N_beta (default 0)")
     p.add_argument("--steps", type=int, default=None,
@@ -168,7 +168,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--phase-layers", type=int, default=AnsatzConfig.phase_layers,
                    help="hidden layers of the phase MLP (default %(default)s)")
     p.add_argument("--no-cache", action="store_true", help="sample without the KV cache (recompute prefixes)")
-    p.add_argument("--max-batch", type=int, default=65536, help="unique prefixes per sampling chunk (>= 1)")
+    p.add_argument("--max-batch", type=int, default=65536,
+                   help="unique prefixes per sampling chunk (>= 1; default 65536)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="output folder (default runs/nnqs-<molecule>)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT if there is one")

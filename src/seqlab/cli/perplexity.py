@@ -33,6 +33,8 @@ def _read_text(args) -> str:
         text = load_corpus(args.split)
     else:
         path = Path(args.file)
+        if not path.is_file():
+            raise ValueError(f"--file {path}: {'a folder, not a text file' if path.is_dir() else 'file not found'}")
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     result = {"perplexity": score.perplexity, "bits_per_byte": score.bits_per_byte, "tokens": score.tokens,
               "bytes": score.bytes, "quant": quant, "window": score.window, "stride": score.stride}
     print(f"perplexity {score.perplexity:.4f}  bits/byte {score.bits_per_byte:.4f}  "
-          f"({score.tokens} tokens, {score.bytes} bytes, window {score.window}, quant {quant})")
+          f"({score.tokens} tokens, {score.bytes} bytes, window {score.window}, weights {quant or 'dense'})")
     if args.json:
         atomic_write_text(args.json, json.dumps(result, indent=2) + "\n")
     return 0

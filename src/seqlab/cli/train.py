@@ -57,17 +57,18 @@ _TRAIN_OPTIONS = [
     ("--min-lr-ratio", "min_lr_ratio", float, "final lr as a fraction of the peak (default 0.1)"),
     ("--warmup-steps", "warmup_steps", int, "linear warmup steps (default 100)"),
     ("--warmup-frac", "warmup_frac", float, "warmup as a fraction of training instead of steps"),
-    ("--schedule", "schedule", str, "cosine | constant"),
+    ("--schedule", "schedule", str, "cosine | constant (default cosine)"),
     ("--weight-decay", "weight_decay", float, "AdamW weight decay on matrices (default 0.1)"),
     ("--grad-clip", "grad_clip", float, "clip the global gradient norm (default 1.0)"),
     ("--precision", "precision", str, "auto | fp32 | bf16 | fp16 (default auto: the fast one for the device)"),
-    ("--device", "device", str, "auto | cpu | cuda[:N]"),
-    ("--threads", "num_threads", int, "torch CPU threads"),
+    ("--device", "device", str, "auto | cpu | cuda[:N] (default auto: a GPU if any)"),
+    ("--threads", "num_threads", int, "torch CPU threads (default: one per core, shared out between torchrun "
+                                      "processes)"),
     ("--parallel", "parallel", str, "ddp | fsdp (under torchrun; default ddp)"),
-    ("--eval-interval", "eval_interval", int, "evaluate every N steps (0: only at the end)"),
+    ("--eval-interval", "eval_interval", int, "evaluate every N steps (default 200; 0: only at the end)"),
     ("--eval-batches", "eval_batches", int, "batches per evaluation (default: the whole split)"),
     ("--log-interval", "log_interval", int, "write metrics every N steps (default 10)"),
-    ("--ckpt-interval", "ckpt_interval", int, "checkpoint every N steps (0: only at the end)"),
+    ("--ckpt-interval", "ckpt_interval", int, "checkpoint every N steps (default 500; 0: only at the end)"),
     ("--keep-last", "keep_last", int, "checkpoints to keep (default 3)"),
     ("--seed", "seed", int, "random seed (default 1337)"),
 ]
@@ -118,7 +119,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--split", default="validation", help="train | validation (default validation)")
     e.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the run's)")
     e.add_argument("--max-batches", type=int, default=None, help="score only the first N batches (default: all)")
-    e.add_argument("--device", default="cpu")
+    e.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda[:N], or auto")
     e.add_argument("--precision", default="fp32", help="fp32 | bf16 | auto (auto: the run's precision)")
     e.add_argument("--json", dest="json_out", default=None, help="also write the results to this JSON file")
     e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -128,14 +129,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("demo", help="train a small LM on the embedded Shakespeare, evaluate, sample",
                        description="The main job end to end: BPE, a time-budgeted causal LM, bits per byte on the "
                                    "held-out play, samples. Writes OUT/summary.json.")
-    d.add_argument("--out", default="runs/demo")
+    d.add_argument("--out", default="runs/demo", help="the run's folder (default runs/demo)")
     d.add_argument("--time", type=float, default=300.0, help="training budget in seconds (default 300)")
-    d.add_argument("--seed", type=int, default=1337)
-    d.add_argument("--samples", type=int, default=3)
-    d.add_argument("--max-new-tokens", type=int, default=120)
+    d.add_argument("--seed", type=int, default=1337, help="seed of the run and its samples (default 1337)")
+    d.add_argument("--samples", type=int, default=3, help="text samples printed at the end (default 3)")
+    d.add_argument("--max-new-tokens", type=int, default=120, help="tokens per sample (default 120)")
     d.add_argument("--preset", default=None, help="override the tuned model size")
-    d.add_argument("--threads", dest="num_threads", type=int, default=None)
-    d.add_argument("--precision", default=None)
+    d.add_argument("--threads", dest="num_threads", type=int, default=None,
+                   help="CPU threads (default: the idle cores, by the load average)")
+    d.add_argument("--precision", default=None,
+                   help="fp32 | bf16 | auto (default auto: bf16 where the device runs it fast, else fp32)")
     d.add_argument("--no-progress", dest="progress", action="store_false")
     d.add_argument("--debug", action="store_true")
     d.set_defaults(func=run_demo)
@@ -225,6 +228,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    for flag, value in (("--time", args.time), ("--samples", args.samples), ("--max-new-tokens", args.max_new_tokens)):
+        if not value > 0:  # named by the flag, before the corpus and tokenizer take their seconds
+            raise ValueError(f"{flag} must be positive, got {value}")
     overrides = {k: v for k, v in (("preset", args.preset), ("num_threads", args.num_threads),
                                    ("precision", args.precision)) if v is not None}
     s = demo(out_dir=args.out, train_seconds=args.time, seed=args.seed, samples=args.samples,
