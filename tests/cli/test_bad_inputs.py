@@ -160,7 +160,7 @@ QUANT_CASES: list[Case] = [
     Case("quantize-not-gguf", ["quantize", "--gguf", "{tmp}/x.gguf", "--bits", "8", "--out", "{tmp}/q"], "not a GGUF file", files={"x.gguf": "hello, this is plainly not a model file"}),
     Case("quantized-altered", ["generate", "--checkpoint", "{tmp}/q", "--prompt", "hi"], "truncated or altered", files={"q/config.json": '{"format": "seqlab", "config": {}, "quant": {"layout": {"layers": {}}, "sha256": "00"}}', "q/model.safetensors": "not the weights"}),
     Case("perplexity-empty-text", ["perplexity", "--checkpoint", "{run}/checkpoints/step_00000002", "--file", "{tmp}/e.txt"], "the text is empty", files={"e.txt": "  \n"}),
-    Case("perplexity-file-is-a-folder", ["perplexity", "--checkpoint", "{run}/checkpoints/step_00000002", "--file", "{tmp}"], "a folder, not a text file"),
+    Case("perplexity-file-is-a-folder", ["perplexity", "--checkpoint", "{run}/checkpoints/step_00000002", "--file", "{tmp}"], "a folder, not a file"),
     Case("perplexity-quant-gguf-on-checkpoint", ["perplexity", "--checkpoint", "{run}/checkpoints/step_00000002", "--quant", "gguf", "--split", "validation"], "--quant gguf keeps"),
     Case("perplexity-bad-stride", ["perplexity", "--checkpoint", "{run}/checkpoints/step_00000002", "--file", "{tmp}/t.txt", "--stride", "0"], "--stride 0", files={"t.txt": "some text"}),
     Case("generate-quant-gguf-on-checkpoint", ["generate", "--checkpoint", "{run}/checkpoints/step_00000002", "--prompt", "hi", "--quant", "gguf"], "--quant gguf keeps"),

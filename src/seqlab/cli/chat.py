@@ -183,7 +183,7 @@ def _interactive(session: ChatSession, path: Path) -> int:
         try:
             line = input("you> ")
         except EOFError:
-            print(file=err)
+            print(flush=True)  # after input()'s prompt on stdout: a transcript ends with a whole line
             return 0
         if not sys.stdin.isatty():  # piped input: echo it so the transcript on stdout reads like a conversation
             print(line, flush=True)

@@ -10,7 +10,6 @@ import argparse
 import json
 import sys
 import warnings
-from pathlib import Path
 
 import torch
 
@@ -21,6 +20,7 @@ from seqlab.generate.chat import turn_end_ids
 from seqlab.generate.engine import is_encoder_decoder
 from seqlab.io import load_pretrained
 from seqlab.runtime import atomic_write_text
+from seqlab.runtime.files import check_readable_file
 from seqlab.runtime.memory import keep_freed_blocks
 
 
@@ -126,10 +126,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         check_writable(args.json, "--json")
     if args.prompts_file:
-        if not Path(args.prompts_file).is_file():
-            raise ValueError(f"--prompts-file {args.prompts_file}: "
-                             f"{'a folder, not a file' if Path(args.prompts_file).is_dir() else 'file not found'}")
-        with open(args.prompts_file, encoding="utf-8") as f:
+        with open(check_readable_file(args.prompts_file, "--prompts-file"), encoding="utf-8") as f:
             prompts = [line.rstrip("\n") for line in f if line.strip()]
         if not prompts:
             raise ValueError(f"{args.prompts_file}: no prompts (one per line)")

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
 from seqlab.cli.model_args import add_model_source, load_model
 from seqlab.data.corpus import load_corpus
 from seqlab.eval.perplexity import score_text
 from seqlab.runtime import atomic_write_text
+from seqlab.runtime.files import check_readable_file
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -32,9 +31,7 @@ def _read_text(args) -> str:
     if args.split:
         text = load_corpus(args.split)
     else:
-        path = Path(args.file)
-        if not path.is_file():
-            raise ValueError(f"--file {path}: {'a folder, not a text file' if path.is_dir() else 'file not found'}")
+        path = check_readable_file(args.file, "--file")
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:

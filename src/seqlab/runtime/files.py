@@ -110,6 +110,14 @@ def ensure_writable_dir(path: str | os.PathLike, what: str) -> Path:
     return path
 
 
+def check_readable_file(path: str | os.PathLike, what: str) -> Path:
+    """``path`` as a Path where it is a file; else a one-line error naming ``what`` (a flag) and what is there."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{what} {path}: {'a folder, not a file' if path.is_dir() else 'file not found'}")
+    return path
+
+
 def check_writable_file(path: str | os.PathLike, what: str) -> Path:
     """Check that ``path`` can be written (its folder exists or can be made, and it is not a folder) without
     creating it, so that a long job does not fail only at its end."""
