@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from dataclasses import asdict
 
 import pytest
@@ -273,6 +274,16 @@ def test_cli_rejects_bad_input_with_clear_errors(argv, msg, capsys):
 
     assert main(["nnqs", *argv, "--out", os.devnull]) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_an_unknown_basis_is_one_clear_error_without_pyscfs_install_hint(tmp_path, capsys):
+    from seqlab.cli import main
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert main(["nnqs", "--molecule", "h2", "--basis", "nope", "--steps", "1", "--out", str(tmp_path / "r")]) == 2
+    assert "PySCF rejected h2 (basis 'nope')" in capsys.readouterr().err
+    assert not [str(w.message) for w in said if "basis" in str(w.message)]
 
 
 def _torchrun(nproc: int, out, steps: int, extra: tuple[str, ...] = ()) -> dict:

@@ -25,11 +25,15 @@ def build_pyscf(mol: Molecule):
     """pyscf.gto.Mole for ``mol``; the number of orbitals is checked against N_alpha here."""
     from pyscf import gto  # optional heavy dependency (see the module docstring)
 
-    try:
-        pmol = gto.M(atom=mol.atom_string(), basis=mol.basis, charge=mol.charge, spin=mol.spin,
-                     unit=mol.unit, verbose=0)
-    except (RuntimeError, KeyError, ValueError) as e:  # PySCF reports unknown basis sets etc. this way
-        raise MoleculeError(f"PySCF rejected {mol.name} (basis {mol.basis!r}): {e}") from e
+    with warnings.catch_warnings(record=True) as said:  # shown only if the molecule builds: on an unknown basis
+        warnings.simplefilter("always")                 # PySCF first suggests a package, then fails anyway
+        try:
+            pmol = gto.M(atom=mol.atom_string(), basis=mol.basis, charge=mol.charge, spin=mol.spin,
+                         unit=mol.unit, verbose=0)
+        except (RuntimeError, KeyError, ValueError) as e:  # PySCF reports unknown basis sets etc. this way
+            raise MoleculeError(f"PySCF rejected {mol.name} (basis {mol.basis!r}): {e}") from e
+    for w in said:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
     if mol.n_alpha > pmol.nao:
         raise MoleculeError(
             f"{mol.name}: {mol.n_alpha} alpha electrons do not fit into {pmol.nao} orbitals of basis {mol.basis!r}"
