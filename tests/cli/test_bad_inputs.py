@@ -60,6 +60,7 @@ TRAIN_CASES: list[Case] = [
     Case("train-model-bogus-field", ["train", *_TINY, "--model", "bogus_key=1", "--out", "{tmp}/r"], "bogus_key"),
     Case("train-resume-truncated-config", ["train", "--out", "{tmp}/cut", "--resume", "--no-progress"],
          "cut/config.json: line 1: not valid JSON", files={"cut/config.json": '{"train": {"objective": "clm", "seq_len":'}),
+    Case("demo-time-zero", ["demo", "--time", "0", "--out", "{tmp}/demo"], "--time must be positive"),
 ]
 
 EVAL_CASES: list[Case] = [
@@ -81,15 +82,14 @@ GENERATE_CASES: list[Case] = [
     Case("generate-json-is-dir", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--json", "{tmp}"], "is a directory"),
     Case("generate-device-cuda", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--device", "cuda:99"], "--device cuda:99"),
     Case("generate-bad-gguf", ["generate", "--gguf", "{tmp}/x.gguf", "--prompt", "hi"], "not a GGUF file", files={"x.gguf": "this is not a gguf file, just some words in it"}),
-]
-
-CHAT_CASES: list[Case] = [
     Case("generate-max-new-tokens-zero", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     Case("generate-system-without-chat", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--system", "be brief"], "--system is the system prompt of --chat"),
     Case("generate-greedy-with-temperature", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--strategy", "greedy", "--temperature", "0.7"], "--strategy greedy takes the likeliest token"),
     Case("generate-prompts-file-missing", ["generate", "--checkpoint", "{run}", "--prompts-file", "{tmp}/nope.txt"], "nope.txt: file not found"),
+]
+
+CHAT_CASES: list[Case] = [
     Case("chat-empty-message", ["chat", "--checkpoint", "{run}", "--message", "  "], "--message is empty"),
-    Case("demo-time-zero", ["demo", "--time", "0", "--out", "{tmp}/demo"], "--time must be positive"),
     Case("chat-max-new-tokens-beyond-context", ["chat", "--checkpoint", "{run}", "--message", "hi", "--max-new-tokens", "100000"], "does not fit the model's context of"),
     Case("chat-device-cuda", ["chat", "--checkpoint", "{run}", "--message", "hi", "--device", "cuda:99"], "--device cuda:99"),
     Case("chat-config-type", ["chat", "--checkpoint", "{tmp}/m", "--message", "hi"], "ModelConfig.n_kv_heads", files={"m/config.json": '{"format": "seqlab", "config": {"n_kv_heads": "2"}}'}),

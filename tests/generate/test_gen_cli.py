@@ -70,6 +70,8 @@ def test_generating_past_the_context_warns(ckpt, capsys):
     assert "runs past the model's context of 32 tokens" in capsys.readouterr().err
     assert main(["generate", "--checkpoint", str(d), "--prompt", "hi", "--max-new-tokens", "8"]) == 0
     assert "runs past" not in capsys.readouterr().err
+    assert main(["generate", "--checkpoint", str(d), "--prompt", "x" * 40, "--max-new-tokens", "8", "--truncate"]) == 0
+    assert "the prompt (32 tokens) + --max-new-tokens 8 runs past" in capsys.readouterr().err
 
 
 def test_truncate_keeps_the_generated_text(ckpt, tmp_path, capsys):

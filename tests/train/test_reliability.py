@@ -35,9 +35,12 @@ def test_a_new_run_never_mixes_with_an_old_one(tmp_path, capsys):
     assert _tree(run) == before  # refused before anything was written
 
     # a bad option is refused before --overwrite moves anything
-    assert main(["train", *TINY, "--max-steps", "2", "--out", str(run), "--overwrite", "--seq-len", "0"]) == 2
-    assert "seq_len" in capsys.readouterr().err
-    assert _tree(run) == before and not list(tmp_path.glob("R.old-*"))
+    missing = str(tmp_path / "nope.txt")
+    for bad, said in ((["--seq-len", "0"], "seq_len"), (["--data", missing], "nope.txt: file not found"),
+                      (["--init", missing], "--init")):
+        assert main(["train", *TINY, "--max-steps", "2", "--out", str(run), "--overwrite", *bad]) == 2
+        assert said in capsys.readouterr().err
+        assert _tree(run) == before and not list(tmp_path.glob("R.old-*"))
 
     assert main(["train", *TINY, "--max-steps", "2", "--ckpt-interval", "1", "--out", str(run), "--overwrite"]) == 0
     (old,) = tmp_path.glob("R.old-*")

@@ -199,11 +199,12 @@ def plan_for(model: nn.Module, for_: str = "decode", *, rows: int | None = None,
     t0 = time.perf_counter()
     measured = {shape_key(use, *s): time_routes(use, *s, all_routes, budget_s / len(todo)) for use, s in todo}
     plan = AccelPlan(for_, rows, dtype_name(dtypes[0]), signature=sig.key(),
-                     calibration_s=time.perf_counter() - t0 if todo else 0.0,
-                     cache_file=str(cache_path(sig)) if use_cache else "")
+                     calibration_s=time.perf_counter() - t0 if todo else 0.0)
     count_measuring(plan.calibration_s)
     entries = (store_cache(sig, measured) if use_cache else {}) | {k: v for k, v in measured.items()
                                                                  if not use_cache}
+    if use_cache and cache_path(sig).is_file():  # (an unwritable cache folder costs a recalibration, said so)
+        plan.cache_file = str(cache_path(sig))
     for use in uses:
         choices, total = [], 0.0
         for (i, o, b), n in shapes.items():

@@ -152,10 +152,12 @@ def run(args: argparse.Namespace) -> int:
     pad = tok.pad_id if tok.pad_id is not None else (model.config.pad_token_id or 0)
     T = max(len(r) for r in rows)
     context = model.config.max_seq_len
-    if not is_encoder_decoder(model) and model.config.pos != "learned" and T <= context < T + args.max_new_tokens:
-        warnings.warn(f"the prompt ({T} tokens) + --max-new-tokens {args.max_new_tokens} runs past the model's context "
-                      f"of {context} tokens: the positions go on, but the model was not trained that far, and "
-                      f"every step attends to all the tokens before it", stacklevel=1)
+    read = min(T, context) if args.truncate else T  # (a longer prompt without --truncate is an error further on)
+    extends = not is_encoder_decoder(model) and model.config.pos != "learned"  # (learned positions: an error)
+    if extends and read <= context < read + args.max_new_tokens:
+        warnings.warn(f"the prompt ({read} tokens) + --max-new-tokens {args.max_new_tokens} runs past the model's "
+                      f"context of {context} tokens: the positions go on, but the model was not trained that far, "
+                      f"and every step attends to all the tokens before it", stacklevel=1)
     ids = torch.tensor([[pad] * (T - len(r)) + r for r in rows], dtype=torch.long,
                        device=next(model.parameters()).device)
     mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=ids.device)

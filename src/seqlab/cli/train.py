@@ -30,7 +30,7 @@ from seqlab.accel import accelerate
 from seqlab.io.checkpoint import load_pretrained
 from seqlab.objectives import OBJECTIVES
 from seqlab.runtime.dist import resolve_device
-from seqlab.runtime.files import atomic_write_text, check_writable_file, ensure_writable_dir
+from seqlab.runtime.files import atomic_write_text, check_readable_file, check_writable_file, ensure_writable_dir
 from seqlab.runtime.memory import keep_freed_blocks
 from seqlab.runtime.rundir import claim_run_dir
 from seqlab.train.config import TrainConfig, read_run_config
@@ -169,12 +169,21 @@ def _load_model_folder(path: Path) -> dict:
     return load_pretrained(path).state_dict()
 
 
+def _check_inputs_exist(cfg: TrainConfig) -> None:
+    for flag, path in (("--data", cfg.data), ("--val-data", cfg.val_data)):
+        if path is not None:
+            check_readable_file(path, flag)
+    if cfg.init and not Path(cfg.init).exists():
+        raise ValueError(f"--init {cfg.init}: not found (a run directory, checkpoint or model folder)")
+
+
 def run_train(args: argparse.Namespace) -> int:
     if args.resume and args.overwrite:
         raise ValueError("--resume and --overwrite contradict each other: continue the run in --out, or replace it")
     main_rank = int(os.environ.get("RANK", "0")) == 0
     cfg = make_config(args)  # every option checked before --overwrite moves an old run aside
     resolve_device(cfg.device)  # a missing GPU fails now, not after the data is built
+    _check_inputs_exist(cfg)  # and the files it names (their contents are read, and checked, after the move)
     if args.resume:
         if main_rank and existing_run(args.out) is None:  # a retry loop's first launch, or a mistyped --out: say which
             print(f"[seqlab] --resume: {args.out} holds no run yet; starting a new one there", file=sys.stderr)
@@ -228,9 +237,12 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    for flag, value in (("--time", args.time), ("--samples", args.samples), ("--max-new-tokens", args.max_new_tokens)):
-        if not value > 0:  # named by the flag, before the corpus and tokenizer take their seconds
-            raise ValueError(f"{flag} must be positive, got {value}")
+    # named by the flag, before the corpus and tokenizer take their seconds (--samples 0: bits per byte only)
+    if not args.time > 0:
+        raise ValueError(f"--time must be positive, got {args.time}")
+    if args.samples < 0 or args.max_new_tokens < 1:
+        raise ValueError(f"--samples must be >= 0 and --max-new-tokens >= 1, got {args.samples} and "
+                         f"{args.max_new_tokens}")
     overrides = {k: v for k, v in (("preset", args.preset), ("num_threads", args.num_threads),
                                    ("precision", args.precision)) if v is not None}
     s = demo(out_dir=args.out, train_seconds=args.time, seed=args.seed, samples=args.samples,
