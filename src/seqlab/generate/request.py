@@ -93,8 +93,8 @@ def prepare(model, input_ids: Tensor, attention_mask: Tensor | None, cfg: Genera
                     else f"{longest} tokens + max_new_tokens={cfg.max_new_tokens} = {need}")
             raise ValueError(
                 f"{what} of {size} exceeds the model's context (ModelConfig.max_seq_len={limit}); shorten it, "
-                f"lower max_new_tokens (--max-new-tokens), or set GenerationConfig.truncate_prompt=True (--truncate) to keep "
-                f"the last tokens")
+                f"lower max_new_tokens, or set GenerationConfig.truncate_prompt=True to keep the last tokens (on the "
+                f"command line: --max-new-tokens, --truncate)")
         keep = limit if (encdec or mcfg.pos != "learned") else limit - cfg.max_new_tokens
         if keep < 1:
             raise ValueError(f"max_new_tokens={cfg.max_new_tokens} leaves no room for a prompt in the context "
