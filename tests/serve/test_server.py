@@ -146,6 +146,24 @@ def test_unknown_model_is_404_and_bad_json_is_400(server):
     assert status == 400 and "not valid JSON" in body["error"]["message"]
 
 
+def test_a_lone_surrogate_is_400_and_a_huge_prompt_is_refused_before_tokenizing(server):
+    """JSON may escape a lone surrogate (\\ud800), which is no character: the client's error, not the server's. A
+    prompt with more bytes than the context could hold at the tokenizer's longest token is refused at once, so it
+    cannot hold up every other client while it is tokenized."""
+    url, engine = server
+    for route, body in (("chat/completions", {"messages": [{"role": "user", "content": "\ud800 hi"}]}),
+                        ("completions", {"prompt": "\ud800 hi"})):
+        status, reply = post(f"{url}/v1/{route}", json.dumps({"model": MODEL_ID, **body}).encode())
+        assert status == 400 and "lone UTF-16 surrogate" in reply["error"]["message"], reply
+    huge = "word " * 2_000_000  # 10 MB
+    t0 = time.monotonic()
+    status, reply = post(f"{url}/v1/completions", json.dumps({"model": MODEL_ID, "prompt": huge}).encode())
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+    assert "bytes of text cannot fit the context" in reply["error"]["message"]
+    assert time.monotonic() - t0 < 5.0  # (tokenizing it took over 10 s)
+    assert get_json(f"{url}/health")["status"] == "ok"
+
+
 def test_disconnect_cancels_the_request_and_frees_its_slot(server):
     url, engine = server
     wait_idle(url)

@@ -21,6 +21,7 @@ from seqlab.io.checkpoint import FORMAT, load_pretrained, read_config_json, reso
 from seqlab.io.export_gguf import WEIGHT_TYPES, check_exportable as check_gguf, export_gguf
 from seqlab.io.export_hf import export_hf, hf_family
 from seqlab.io.hf import config_from_hf
+from seqlab.runtime.files import check_writable_file
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -68,6 +69,19 @@ def check_exportable(model_dir: Path, fmt: str) -> None:
         hf_family(cfg)
 
 
+def _check_gguf_out(out: str) -> None:
+    """One new file named *.gguf (loaders know a GGUF by its name), before any weights are read: an existing file
+    is never replaced, since --out pointing into a run (its config, its weights) would destroy what it exports."""
+    if out.endswith("/") or Path(out).is_dir():
+        raise ValueError(f"--out {out}: --format gguf writes one file (e.g. model.gguf), not a folder")
+    if Path(out).suffix.lower() != ".gguf":
+        raise ValueError(f"--out {out}: a GGUF file's name ends in .gguf (seqlab and llama.cpp know it by that)")
+    if Path(out).exists():
+        raise ValueError(f"--out {out}: the file exists and export never replaces one; choose a new name or "
+                         "delete it first")
+    check_writable_file(out, "--out")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.format == "hf" and args.weights != "f32":
         raise ValueError(f"--weights {args.weights} is a GGUF weight type; --format hf writes the weights as they are")
@@ -78,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "hf" and Path(args.out).is_dir() and any(Path(args.out).iterdir()):
         raise ValueError(f"--out {args.out}: the folder is not empty (stale files would be read with the export); "
                          "choose a new one")
+    if args.format == "gguf":
+        _check_gguf_out(args.out)
     model = load_pretrained(model_dir, dtype=torch.float32)
     tokenizer = find_tokenizer(model_dir)
     if tokenizer is None:
@@ -91,8 +107,6 @@ def run(args: argparse.Namespace) -> int:
         if tokenizer is not None:
             tokenizer.save_pretrained(out, model_max_length=model.config.max_seq_len)
     else:
-        if args.out.endswith("/") or Path(args.out).is_dir():
-            raise ValueError(f"--out {args.out}: --format gguf writes one file (e.g. model.gguf), not a folder")
         out = export_gguf(model, args.out, tokenizer, weight_type=args.weights, name=Path(args.source).name)
     print(f"exported {model_dir} -> {out} ({args.format})")
     return 0

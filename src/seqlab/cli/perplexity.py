@@ -8,7 +8,7 @@ from seqlab.cli.model_args import add_model_source, load_model
 from seqlab.data.corpus import load_corpus
 from seqlab.eval.perplexity import score_text
 from seqlab.runtime import atomic_write_text
-from seqlab.runtime.files import check_readable_file
+from seqlab.runtime.files import check_readable_file, check_writable_file
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
         v = getattr(args, flag)
         if v is not None and v < 2 - (flag == "stride"):
             raise ValueError(f"--{flag} {v}: too small")
+    if args.json:
+        check_writable_file(args.json, "--json")  # before the scoring, which can take minutes
     text = _read_text(args)
     loaded = load_model(args)
     model, tok = loaded.model, loaded.tokenizer

@@ -37,8 +37,12 @@ class Scheme:
                              f"(supported: {', '.join(map(str, allowed))}{'; 0 = per channel' if self.bits == 8 else ''})")
         group = self.group_size or in_features
         if in_features % group or (self.bits == 4 and in_features % SUB_BLOCK) or in_features % 8:
+            fits = [g for g in allowed if g and g < group and in_features % g == 0
+                    and (self.bits == 8 or in_features % SUB_BLOCK == 0)]
             raise ValueError(f"{layer}: group size {group} does not divide in_features={in_features}"
-                             + (" (int8 rows must also be a multiple of 8)" if self.bits == 8 else ""))
+                             + (" (int8 rows must also be a multiple of 8)" if self.bits == 8 else "")
+                             + (f"; a group size that does: {fits[-1]} (seqlab quantize --group-size {fits[-1]})"
+                                if fits and in_features % 8 == 0 else ""))
 
     def groups(self, in_features: int) -> int:
         return in_features // (self.group_size or in_features)

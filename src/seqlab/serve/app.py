@@ -33,6 +33,19 @@ def create_app(engine: Engine, tokenizer, model_name: str,
     encode_prompt = encode_prompt or tokenizer.encode
     chat_stop_ids = turn_end_ids(tokenizer)
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    # no token holds more UTF-8 bytes than this (a special token's text included), so a text longer than the
+    # context times it cannot fit, however it tokenizes: refused before tokenizing, which would block every client
+    # (5 MB of prompt: 7.9 s) for an answer known in advance
+    longest_token = max([*tokenizer.byte_lengths(),
+                         *(len((tokenizer.token(i) or "").encode("utf-8")) for i in tokenizer.special_ids)], default=1)
+    text_limit = engine.context * max(longest_token, 1)
+
+    def _check_size(param: str, texts: list[str]) -> None:
+        size = sum(len(t.encode("utf-8")) for t in texts)
+        if size > text_limit:
+            raise APIError(400, f"{param}: {size} bytes of text cannot fit the context of {engine.context} tokens "
+                                f"(no token here holds more than {longest_token} bytes)", param=param,
+                           code="context_length_exceeded")
 
     async def health(_: HTTPRequest) -> JSONResponse:
         return JSONResponse({"status": "ok", **engine.stats()})
@@ -46,6 +59,7 @@ def create_app(engine: Engine, tokenizer, model_name: str,
         _check_model(body.model)
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+        _check_size("messages", [m["content"] for m in body.messages])
         try:
             ids = chat_prompt_ids(tokenizer, body.messages)
         except ValueError as e:
@@ -55,6 +69,7 @@ def create_app(engine: Engine, tokenizer, model_name: str,
     async def completions(http: HTTPRequest):
         body = protocol.parse_completion(await _json(http))
         _check_model(body.model)
+        _check_size("prompt", [body.prompt])
         ids = encode_prompt(body.prompt)
         return await _run(http, body, ids, eos, chat=False, param="prompt")
 
@@ -155,9 +170,15 @@ def create_app(engine: Engine, tokenizer, model_name: str,
 
 async def _json(http: HTTPRequest):
     try:
-        return json.loads(await http.body())
+        body = json.loads(await http.body())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}") from e
+    try:  # JSON's \ud800-\udfff escapes decode to lone surrogates, which are no text: a tokenizer cannot read them
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"the request holds a lone UTF-16 surrogate ({e.object[e.start:e.end]!a}), which is "
+                            "not a character; send the text as valid Unicode") from e
+    return body
 
 
 def _data(obj: dict) -> str:
