@@ -127,6 +127,7 @@ def test_seeded_sampling_repeats(server):
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "the " * 3000}]}, "messages"),
+    ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
 ])
 def test_bad_fields_are_400_naming_the_field(server, body, param):
     url, _ = server
@@ -144,6 +145,14 @@ def test_unknown_model_is_404_and_bad_json_is_400(server):
     assert e.value.body["code"] == "model_not_found"
     status, body = post(f"{url}/v1/completions", b"{not json")
     assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = post(f"{url}/v1/complete", b"{}")  # a mistyped route: the API's error form, not plain text
+    assert status == 404 and "/v1/completions" in body["error"]["message"]
+    try:
+        get_json(f"{url}/v1/completions")
+    except urllib.error.HTTPError as e:
+        assert e.code == 405 and json.loads(e.read())["error"]["type"] == "invalid_request_error"
+    else:
+        raise AssertionError("GET on a POST route was answered")
 
 
 def test_a_lone_surrogate_is_400_and_a_huge_prompt_is_refused_before_tokenizing(server):

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
@@ -156,6 +157,12 @@ def create_app(engine: Engine, tokenizer, model_name: str,
     async def on_api_error(_: HTTPRequest, exc: APIError) -> JSONResponse:
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    async def on_http_error(http: HTTPRequest, exc: HTTPException) -> JSONResponse:
+        """An unknown route or method answers in the API's error form too, which clients parse."""
+        what = (f"no route {http.url.path}; this server has /v1/completions, /v1/chat/completions, /v1/models and "
+                "/health") if exc.status_code == 404 else f"{http.method} {http.url.path}: {exc.detail}"
+        return JSONResponse(APIError(exc.status_code, what).body(), status_code=exc.status_code)
+
     async def on_error(_: HTTPRequest, exc: Exception) -> JSONResponse:
         return JSONResponse(APIError(500, f"{type(exc).__name__}: {exc}").body(), status_code=500)
 
@@ -165,7 +172,8 @@ def create_app(engine: Engine, tokenizer, model_name: str,
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={APIError: on_api_error, Exception: on_error})
+    return Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
+                                                        Exception: on_error})
 
 
 async def _json(http: HTTPRequest):

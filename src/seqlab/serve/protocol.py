@@ -23,8 +23,8 @@ class APIError(Exception):
                  code: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type_ or {400: "invalid_request_error", 404: "invalid_request_error",
-                              429: "rate_limit_error", 503: "server_error"}.get(status, "server_error")
+        self.type = type_ or ("rate_limit_error" if status == 429 else
+                              "invalid_request_error" if 400 <= status < 500 else "server_error")
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -115,6 +115,9 @@ def _common(body: Any) -> GenerationRequest:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("stream_options", "must be an object")
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad("stream_options.include_usage", f"must be true or false, got {include_usage!r}")
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad("ignore_eos", f"must be true or false, got {ignore_eos!r}")
@@ -123,7 +126,7 @@ def _common(body: Any) -> GenerationRequest:
     return GenerationRequest(
         model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
         top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), seed=_int(body, "seed", -(2**63), 2**64 - 1),
-        stop=_stop(body), stream=stream, include_usage=bool(options.get("include_usage", False)),
+        stop=_stop(body), stream=stream, include_usage=include_usage,
         ignore_eos=ignore_eos,
     )
 
