@@ -49,6 +49,18 @@ def test_a_new_run_never_mixes_with_an_old_one(tmp_path, capsys):
     assert [r["step"] for r in Logbook(run / "metrics.jsonl", resume_step=10**9).rows()] == [1, 2]
 
 
+def test_a_run_that_fails_before_writing_leaves_no_empty_folder(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\nnot json\n')
+    out = tmp_path / "new"
+    assert main(["train", *TINY, "--objective", "mlm", "--data", str(bad), "--out", str(out)]) == 2
+    assert "bad.jsonl:2" in capsys.readouterr().err
+    assert not out.exists()  # made for the run, empty when it failed: taken away again
+    out.mkdir()  # a folder that was there before stays, empty or not
+    assert main(["train", *TINY, "--objective", "mlm", "--data", str(bad), "--out", str(out)]) == 2
+    assert out.is_dir()
+
+
 def test_resume_into_an_empty_folder_says_it_starts_a_new_run(tmp_path, capsys):
     """A retry loop's first launch passes --resume too, so it starts the run; a mistyped --out is then visible."""
     assert main(["train", *TINY, "--max-steps", "1", "--out", str(tmp_path / "typo"), "--resume"]) == 0

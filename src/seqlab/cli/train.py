@@ -32,7 +32,7 @@ from seqlab.objectives import OBJECTIVES
 from seqlab.runtime.dist import resolve_device
 from seqlab.runtime.files import atomic_write_text, check_readable_file, check_writable_file, ensure_writable_dir
 from seqlab.runtime.memory import keep_freed_blocks
-from seqlab.runtime.rundir import claim_run_dir
+from seqlab.runtime.rundir import claim_run_dir, removed_if_left_empty
 from seqlab.train.config import TrainConfig, read_run_config
 from seqlab.train.demo import run_demo as demo
 from seqlab.train.evaluate import evaluate_checkpoint
@@ -184,6 +184,11 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = make_config(args)  # every option checked before --overwrite moves an old run aside
     resolve_device(cfg.device)  # a missing GPU fails now, not after the data is built
     _check_inputs_exist(cfg)  # and the files it names (their contents are read, and checked, after the move)
+    with removed_if_left_empty(args.out):  # a run that fails before writing anything leaves no empty folder
+        return _train(args, cfg, main_rank)
+
+
+def _train(args: argparse.Namespace, cfg: TrainConfig, main_rank: bool) -> int:
     if args.resume:
         if main_rank and existing_run(args.out) is None:  # a retry loop's first launch, or a mistyped --out: say which
             print(f"[seqlab] --resume: {args.out} holds no run yet; starting a new one there", file=sys.stderr)

@@ -8,9 +8,10 @@ aside. Each driver (Trainer, VMC) says what makes a folder one of its runs; refu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from seqlab.runtime.files import ensure_writable_dir
@@ -41,6 +42,21 @@ def move_aside(out: str | os.PathLike) -> Path:
         moved, n = out.with_name(f"{out.name}.old-{stamp}-{n}"), n + 1
     os.rename(out, moved)
     return moved
+
+
+@contextlib.contextmanager
+def removed_if_left_empty(out: str | os.PathLike) -> Iterator[None]:
+    """A folder the command creates is taken away again if the command fails with nothing written into it (a
+    malformed data line found after ``--out`` was made), so no empty run folder is left to puzzle over. Only an
+    empty folder goes: ``rmdir`` refuses any other."""
+    existed = Path(out).exists()
+    try:
+        yield
+    except BaseException:
+        if not existed:
+            with contextlib.suppress(OSError):
+                Path(out).rmdir()
+        raise
 
 
 def claim_run_dir(out: str | os.PathLike, found: Path | None, overwrite: bool = False) -> Path | None:
