@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from seqlab.accel.calibrate import (cache_path, count_measuring, dtype_name, fastest, load_cache, measuring_time,
-                                    shape_key, store_cache, time_routes)
+from seqlab.accel.calibrate import (cache_path, count_measuring, dtype_name, fastest, load_cache, measured,
+                                    measuring_time, shape_key, store_cache, time_routes)
 from seqlab.accel.cross_entropy import choose_cross_entropy
 from seqlab.accel.fused_gelu import choose_gelu
 from seqlab.accel.fused_gelu import install as install_gelu
@@ -334,9 +334,7 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
         sig = current_signature()
         plan.pass_s = dict(load_cache(sig).get(key, {})) if use_cache else {}
         if not plan.pass_s:
-            t0 = time.perf_counter()
-            plan.pass_s["dense"] = time_pass([model.get_submodule(n) for n, _ in targets], use)
-            count_measuring(time.perf_counter() - t0)
+            plan.pass_s["dense"] = measured(lambda: time_pass([model.get_submodule(n) for n, _ in targets], use))
         elif fastest(plan.pass_s) == "dense":
             targets = []  # a cached verdict against these routes: do not convert at all
     # names, not modules: each dense layer can be freed as soon as its replacement exists (peak ~ one layer)
@@ -344,9 +342,7 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, route.convert(model.get_submodule(name), use))
     if checked and "plan" not in plan.pass_s:
-        t0 = time.perf_counter()
-        plan.pass_s["plan"] = time_pass([model.get_submodule(n) for n, _ in targets], use)
-        count_measuring(time.perf_counter() - t0)
+        plan.pass_s["plan"] = measured(lambda: time_pass([model.get_submodule(n) for n, _ in targets], use))
         if use_cache:
             plan.pass_s = dict(store_cache(sig, {key: plan.pass_s})[key])
     if checked and fastest(plan.pass_s) == "dense":

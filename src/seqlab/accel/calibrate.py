@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -41,6 +42,7 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 _HOPELESS = 20.0
 # a route replaces the plain one only when it is at least this much (a fraction) faster
 MIN_GAIN = 0.05
+T = TypeVar("T")
 
 
 # seconds of timing taken (not read from the cache) within the enclosing measuring_time(), if any
@@ -64,6 +66,15 @@ def count_measuring(seconds: float) -> None:
     total = _MEASURING.get()
     if total is not None:
         total[0] += seconds
+
+
+def measured(measure: Callable[[], T]) -> T:
+    """``measure()``, its seconds counted towards the enclosing :func:`measuring_time`."""
+    t0 = time.perf_counter()
+    try:
+        return measure()
+    finally:
+        count_measuring(time.perf_counter() - t0)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -228,9 +239,7 @@ def cached_timings(key: str, measure: Callable[[], dict[str, float]], use_cache:
     sig = current_signature()
     timings = dict(load_cache(sig).get(key, {})) if use_cache else {}
     if not timings:
-        t0 = time.perf_counter()
-        timings = measure()
-        count_measuring(time.perf_counter() - t0)
+        timings = measured(measure)
         if use_cache:
             timings = dict(store_cache(sig, {key: timings})[key])
     return timings

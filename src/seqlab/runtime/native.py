@@ -1,8 +1,9 @@
 """seqlab's own small C libraries: compiled with the machine's C compiler at first use, loaded with ``ctypes``.
 
 Why C through ``ctypes`` rather than a torch C++ extension: the sources need no torch headers and no ninja, so they
-build in about a second with plain ``gcc`` on a clean machine. A library is cached under ``runtime.files.cache_root()``
-(``$SEQLAB_CACHE``, default ``~/.cache/seqlab``) by a hash of its sources and flags, so a changed source or compiler gets its own build.
+build in about a second with plain ``gcc`` on a clean machine. A library is cached under
+``runtime.files.cache_root()`` (``$SEQLAB_CACHE``, default ``~/.cache/seqlab``) by a hash of its sources and flags,
+so a changed source or compiler gets its own build.
 Each source can be built for AVX2 + FMA (both CPU families of the project have it) and, where the CPU has it and no
 ISA cap hides it, for AVX-512; which build runs is decided by timing, by the caller.
 """
