@@ -164,12 +164,10 @@ def test_a_lone_surrogate_is_400_and_a_huge_prompt_is_refused_before_tokenizing(
                         ("completions", {"prompt": "\ud800 hi"})):
         status, reply = post(f"{url}/v1/{route}", json.dumps({"model": MODEL_ID, **body}).encode())
         assert status == 400 and "lone UTF-16 surrogate" in reply["error"]["message"], reply
-    huge = "word " * 2_000_000  # 10 MB
-    t0 = time.monotonic()
+    huge = "word " * 2_000_000  # 10 MB: tokenizing it took 13 s here, while every other client waited
     status, reply = post(f"{url}/v1/completions", json.dumps({"model": MODEL_ID, "prompt": huge}).encode())
     assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
-    assert "bytes of text cannot fit the context" in reply["error"]["message"]
-    assert time.monotonic() - t0 < 5.0  # (tokenizing it took over 10 s)
+    assert "bytes of text cannot fit the context" in reply["error"]["message"]  # the check before tokenizing
     assert get_json(f"{url}/health")["status"] == "ok"
 
 
