@@ -231,10 +231,14 @@ def run_benchmark(bc: BenchConfig, log=print) -> dict:
         for _ in range(bc.repeats):
             for name, fn in runs.items():
                 ttft[name].append(_time(fn))
+        copies = {"seqlab+accel": packed, "seqlab default": default}
         for name, s in ttft.items():
+            route = prefill_route(copies.get(name))
             results["ttft"].append({"dtype": dname, "impl": name, "prompt_len": bc.ttft_prompt_len,
-                                    "ttft_ms": statistics.median(s) * 1e3, "samples_ms": [x * 1e3 for x in s]})
-            log(f"{dname:5s} TTFT {bc.ttft_prompt_len}-token prompt {name:14s}: {statistics.median(s) * 1e3:7.1f} ms")
+                                    "ttft_ms": statistics.median(s) * 1e3, "samples_ms": [x * 1e3 for x in s],
+                                    **({"prefill_route": route} if route else {})})
+            log(f"{dname:5s} TTFT {bc.ttft_prompt_len}-token prompt {name:14s}: {statistics.median(s) * 1e3:7.1f} ms"
+                + (f"  (prefill: {route})" if route else ""))
         del model, hf, packed, default
     return results
 
@@ -243,6 +247,15 @@ def packed_copy(model, rows: int, for_: str = "decode", dtype=None):
     """An accelerated copy of ``model`` for ``rows``-row products, in the model's dtype (``dtype=None``) or as the
     CLI's default runs it (``"auto"``); routes chosen by :func:`seqlab.accel.accelerate`'s calibration, cached."""
     return accelerate(copy.deepcopy(model), for_, rows=rows, dtype=dtype)
+
+
+def prefill_route(model) -> str | None:
+    """The prefill route an accelerated copy's calibration chose (``"64+ tokens in fp32 on oneDNN"``, or ``"plain
+    products"``), for the TTFT rows: the choice is timed per process, so a results file must say which one ran."""
+    plan = getattr(model, "accel_plan", None)
+    if plan is None:
+        return None
+    return plan.prefill_route if plan.prefill_from else "plain products"
 
 
 def default_copy(model, rows: int, dname: str):

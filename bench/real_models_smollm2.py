@@ -48,7 +48,7 @@ from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E40
 from seqlab.accel import accelerate  # noqa: E402
 from seqlab.cli.packaged import SMOLLM2_CHATS, packaged_smollm2  # noqa: E402
 from seqlab.runtime.memory import keep_freed_blocks  # noqa: E402
-from decode_bench import default_copy, packed_copy, weight_bound_ms  # noqa: E402
+from decode_bench import default_copy, packed_copy, prefill_route, weight_bound_ms  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROMPTS = [
@@ -164,7 +164,8 @@ def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats
             del packed, default
         ids = long_prompt(tok, ttft_len)
         mask = torch.ones_like(ids)
-        impls = runners(model, hf, ids, mask, compiled, packed_copy(model, 1), default_copy(model, 1, dname))
+        copies = {"seqlab+accel": packed_copy(model, 1), "seqlab default": default_copy(model, 1, dname)}
+        impls = runners(model, hf, ids, mask, compiled, *copies.values())
         for fn in impls.values():
             fn(1)()
         t = {k: [] for k in impls}
@@ -172,9 +173,11 @@ def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats
             for name, fn in impls.items():
                 t[name].append(_time(fn(1)))
         for name, s in t.items():
+            route = prefill_route(copies.get(name))
             out["ttft"].append({"dtype": dname, "impl": name, "prompt_len": ttft_len, "ms": statistics.median(s) * 1e3,
-                                "samples_ms": [x * 1e3 for x in s]})
-            log(f"{dname} TTFT {ttft_len} tokens {name:14s}: {statistics.median(s) * 1e3:7.1f} ms")
+                                "samples_ms": [x * 1e3 for x in s], **({"prefill_route": route} if route else {})})
+            log(f"{dname} TTFT {ttft_len} tokens {name:14s}: {statistics.median(s) * 1e3:7.1f} ms"
+                + (f"  (prefill: {route})" if route else ""))
         del model, hf
     return out
 

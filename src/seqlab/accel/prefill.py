@@ -16,8 +16,8 @@ prefill keep their own route, and the weights stay fp32 (no second copy):
 
 Short prompts stay on the plain route (autocast converts every weight at every call, which a few-token prefill
 cannot repay). Each of ``LENGTHS`` is timed on every route once per CPU signature and model shape (cached); its
-winner takes the prompts from that length on, so the route may change with the length. The last length's winner,
-where it is not plain, is timed at ``CHECK_LENGTH`` against the exact routes too, since it runs every longer prompt.
+winner takes the prompts from that length on, so the route may change with the length, and the longest length's
+winner runs every longer prompt.
 """
 from __future__ import annotations
 
@@ -42,13 +42,16 @@ from seqlab.model.cache import KVCache
 from seqlab.runtime import native
 from seqlab.runtime.cpu import native_bf16
 
-LENGTHS = (64, 256)  # prompt lengths timed: each one's winner takes the prompts from it to the next
-# The last length's route runs every longer prompt: where it is not plain, it is timed here against the exact routes
-# too (plain, and oneDNN's fp32 for a bf16 route), and gives way from here where one is faster (on a Zen 3 EPYC a
-# prefill on oneDNN led plain MKL at 256 tokens and trailed it at 512). Three prefills of each: about 5 s on SmolLM2.
-CHECK_LENGTH = 512
+# Prompt lengths timed: each one's winner takes the prompts from it to the next, the last one's every longer prompt.
+# 512 is timed on every route, whatever 256 chose, since the margins move with the length both ways: on a Zen 3
+# EPYC a prefill on oneDNN led plain MKL at 256 tokens and trailed it at 512; on a Zen 4 under the AVX2 caps it led
+# by 8 % at 256 and by 12 % at 512. Three prefills of each route at 512: about 5 s on SmolLM2.
+LENGTHS = (64, 256, 512)
 MIN_SPEEDUP = 1.25  # bf16, as for bf16 decode (seqlab.accel.apply.BF16_MIN_SPEEDUP): only where clearly faster
-ONEDNN_MIN_SPEEDUP = 1.1  # fp32 on oneDNN changes only the rounding: a clear margin over timing noise suffices
+# fp32 on oneDNN changes only the rounding, so a margin just over the timings' noise suffices. 1.1 missed real gains:
+# on a Zen 4 under the AVX2 caps oneDNN's SmolLM2 prefill led MKL's by 5-19 % in twelve calibrations (a forced
+# oneDNN route took 7-12 % off the 512-token TTFT), and 1.1 took it in four of them at 64 tokens.
+ONEDNN_MIN_SPEEDUP = 1.05
 ROUNDS = 2  # best of 2 after a warm-up: SmolLM2's three routes at both lengths take about 5 s once per CPU
 
 
@@ -250,9 +253,7 @@ def choose_prefill_cast(model: nn.Module, use_cache: bool = True, allow_bf16: bo
     """The prefill routes for an fp32 ``model`` (None: plain products for every prompt), and the timings
     (``"fp32@L"``, ``"onednn@L"``, ``"bf16@L"``: seconds per prefill of L tokens). ``allow_bf16=False`` (an explicit
     fp32 request) leaves only the fp32 routes. Where the winner changes with the length (an EPYC: oneDNN's fp32 at
-    64 tokens, bf16 from 256), the cast chains them. A route that the last length leaves for every longer prompt is
-    timed at ``CHECK_LENGTH`` against the exact routes too (plain; oneDNN's fp32 for bf16), and ends there where
-    one of them is faster."""
+    64 tokens, bf16 from 256), the cast chains them."""
     params = [p for p in model.parameters() if p.is_floating_point()]
     casts = candidate_casts(allow_bf16)
     if len(casts) < 2 or not params or params[0].dtype != torch.float32 or params[0].device.type != "cpu":
@@ -266,15 +267,6 @@ def choose_prefill_cast(model: nn.Module, use_cache: bool = True, allow_bf16: bo
         dtype = _winner(timings, length, steps[-1].dtype if steps else None)
         if dtype != (steps[-1].dtype if steps else None):
             steps.append(PrefillCast(dtype, length))  # a faster route from here on, or plain where it stops winning
-    if steps and steps[-1].dtype is not None and CHECK_LENGTH <= model.config.max_seq_len:
-        last = steps[-1].dtype  # timed against plain products, and a bf16 route against oneDNN's fp32 too
-        check = {name: cast for name, cast in casts.items()
-                 if name == "fp32" or name == _ROUTE_NAMES[last] or (last == torch.bfloat16 and name == "onednn")}
-        timings = {**timings, **timings_by_size(f"check {'+'.join(sorted(check))}|{key}", [CHECK_LENGTH],
-                                                lambda n: time_prefills(model, n, check), use_cache)}
-        dtype = _winner(timings, CHECK_LENGTH, last)
-        if dtype != last:
-            steps.append(PrefillCast(dtype, CHECK_LENGTH))  # slower than an exact route here: that one from here on
     chained = None
     for cast in reversed(steps):
         chained = PrefillCast(cast.dtype, cast.min_tokens, chained)
