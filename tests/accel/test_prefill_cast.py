@@ -1,5 +1,7 @@
 """The prefill route of an fp32 model: bf16 only under "auto", where native and a timed prefill wins; fp32 on oneDNN
 wherever it wins; fp32 decode steps after either."""
+import copy
+
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ from seqlab.accel.prefill import PrefillCast, candidate_casts, choose_prefill_ca
 from seqlab.config import ModelConfig
 from seqlab.generate.engine import decode_step, prefill
 from seqlab.model import build_model
+from seqlab.quant import quantize
 from seqlab.runtime.cpu import current_signature, native_bf16
 
 from .helpers import tiny_model
@@ -329,3 +332,27 @@ def test_the_onednn_switch_lives_on_the_layers_and_goes_with_restore_plain(monke
     cast, _ = choose_prefill_cast(model, use_cache=False)
     assert cast.dtype == torch.bfloat16 and cast.longer is None
     assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_a_quantised_model_times_its_own_prefill(monkeypatch):
+    """The timings are keyed by the weights' formats too: a quantised model's products run seqlab.quant's routes, so
+    a dense model of the same shapes, timed first and cached, says nothing about them (it did: the dense model's
+    "bf16 from 64 tokens" was applied to a quantised SmolLM2 untimed)."""
+    dense = long_context_model()
+    quantised = quantize(copy.deepcopy(dense), bits=8)
+    assert prefill_key(quantised) != prefill_key(dense)
+    assert prefill_key(quantised) != prefill_key(quantize(copy.deepcopy(dense), bits=4, group_size=32))
+    timed = []
+
+    def fake(model, length, casts):
+        timed.append((model, casts))
+        return {k: 1.0 for k in casts}
+
+    monkeypatch.setattr(accel_prefill, "native_bf16", lambda: True)
+    monkeypatch.setattr(accel_prefill, "time_prefills", fake)
+    choose_prefill_cast(dense)
+    choose_prefill_cast(quantised)
+    assert [m for m, _ in timed] == [dense] * 3 + [quantised] * 3
+    # and no oneDNN route where no plain nn.Linear is left for it to route (it would time plain products twice)
+    assert [set(t) for m, t in timed] == [{"fp32", "onednn", "bf16"}] * 3 + [{"fp32", "bf16"}] * 3
+    assert choose_prefill_cast(quantised, use_cache=False, allow_bf16=False) == (None, {})  # nothing to time

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,15 @@ def test_info_counts_quantised_weights_and_describes_an_encoder(tiny_gguf, tmp_p
     assert main(["quantize", "--gguf", str(tiny_gguf), "--bits", "8", "--out", str(tmp_path / "q")]) == 0
     capsys.readouterr()
     assert main(["info", str(tmp_path / "q")]) == 0
-    assert f"parameters: {dense.num_parameters():,} " in capsys.readouterr().out  # the same weights, packed
+    out = capsys.readouterr().out
+    assert f"parameters: {dense.num_parameters():,} " in out  # the same weights, packed
+    # the quantised layers' routes, at a decode step's one row and a prefill's 256, with the timings behind them
+    shapes = {(m.in_features, m.out_features) for m in dense.modules() if type(m) is torch.nn.Linear}
+    lines = [line for line in out.splitlines() if line.startswith("    int8 g")]
+    assert "quantised products (" in out and {tuple(int(v) for v in line.split()[2:5:2]) for line in lines} <= shapes
+    assert lines and all(re.search(r"1 row: (\w+) \(.*\1 \d+ us.*\); 256 rows: (\w+) \(.*\2 \d+ us", line)
+                         for line in lines), out
+    assert "all products 0.000 ms" not in out  # no plain products to time: no empty line about them
     encoder = build_model(ModelConfig(arch="encoder", vocab_size=50, d_model=32, n_layers=1, n_heads=2))
     save_pretrained(encoder, tmp_path / "bert")
     assert main(["info", str(tmp_path / "bert")]) == 0

@@ -122,6 +122,8 @@ class AccelPlan:
                  else f"timings from {self.cache_file} (delete it to measure again)")
         lines = [f"accel for {self.for_} ({self.rows} rows/product): dtype {self.dtype}; {timed}"]
         for dt, total in self.dtype_totals_s.items():
+            if not self.shapes.get(dt):  # no nn.Linear left to route (a quantised model: seqlab.quant times its own)
+                continue
             lines.append(f"  {dt}: all products {total * 1e3:.3f} ms")
             for c in self.shapes.get(dt, []):
                 times = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in c.timings_s.items())

@@ -26,6 +26,7 @@ import contextvars
 import dataclasses
 import hashlib
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ from seqlab.accel.pointwise import sources as pointwise_sources
 from seqlab.accel.train_linear import onednn_linear, plain_fp32_product, train_route_available
 from seqlab.generate.engine import prefill
 from seqlab.model.cache import KVCache
+from seqlab.quant import QuantLinear
 from seqlab.runtime import native
 from seqlab.runtime.cpu import native_bf16
 
@@ -164,6 +166,9 @@ def prefill_key(model: nn.Module, allow_bf16: bool = True) -> str:
     if kernels is not None:
         extras += f"|pointwise {kernels.isa} from {kernels.min_rows} {native.source_key(pointwise_sources())}"
     extras += "|no modes"  # timings taken inside TorchFunctionModes (before 2cffde3) are not reused
+    schemes = Counter(f"int{m.bits} g{m.group_size}" for m in model.modules() if isinstance(m, QuantLinear))
+    if schemes:  # quantised products run seqlab.quant's routes: a dense model's timings of these shapes say nothing
+        extras += "|quantised " + ", ".join(f"{n} x{count}" for n, count in sorted(schemes.items()))
     return f"prefill|{routes}|{extras}|{hashlib.sha1(repr(dims).encode()).hexdigest()[:16]}"
 
 
@@ -256,6 +261,8 @@ def choose_prefill_cast(model: nn.Module, use_cache: bool = True, allow_bf16: bo
     64 tokens, bf16 from 256), the cast chains them."""
     params = [p for p in model.parameters() if p.is_floating_point()]
     casts = candidate_casts(allow_bf16)
+    if not any(type(m) is nn.Linear for m in model.modules()):
+        casts.pop("onednn", None)  # no layer it could route (a quantised model): it would time plain products again
     if len(casts) < 2 or not params or params[0].dtype != torch.float32 or params[0].device.type != "cpu":
         return None, {}
     install(model)  # the layers' oneDNN switch, before anything is timed

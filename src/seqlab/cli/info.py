@@ -8,7 +8,7 @@ from pathlib import Path
 
 from seqlab.accel import accelerate
 from seqlab.io import load_gguf, load_pretrained
-from seqlab.quant import QuantLinear
+from seqlab.quant import QuantLinear, routes
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +36,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"parameters: {parameter_count(model):,}   kv-cache: {per_token:,} bytes/token (fp32)")
     # what `seqlab generate`/`chat` would run here by default: routes, fused decode step, bf16 prefill, with timings
     print(accelerate(model, "decode", rows=1, dtype="auto").accel_plan.summary())
+    quantised = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if quantised:  # their products' routes are seqlab.quant's, chosen per shape and row count
+        print(f"quantised products ({len(quantised)} layers; routes timed once per shape and row count, "
+              f"cached in {routes.cache_path()}):")
+        print("\n".join(routes.describe(quantised)))
     return 0
 
 

@@ -16,7 +16,7 @@ import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -168,6 +168,24 @@ def clear_routes() -> None:
 def route_table() -> list[dict]:
     """Every decision so far with its timings: what a report or an accel cache stores."""
     return [{**asdict(key), "route": _CHOSEN[key], "seconds": _TIMINGS.get(key, {})} for key in _CHOSEN]
+
+
+def describe(layers: Iterable, rows: tuple[int, ...] = (1, 256)) -> list[str]:
+    """One line per quantised (scheme, shape) of ``layers``: its route at each of ``rows`` (a decode step's one row,
+    a prefill's hundreds) and the timings that chose it. Routes this machine has not timed yet are timed now and
+    cached, as a first run would, so the lines say what a run here does (``seqlab info``)."""
+    shapes: dict[tuple[int, int, int, int], list] = {}
+    for layer in layers:
+        shapes.setdefault((layer.bits, layer.group_size, layer.in_features, layer.out_features), []).append(layer)
+    lines = []
+    for (bits, group, k, n), same in shapes.items():
+        parts = []
+        for r in rows:
+            name = choose_route(same[0], r)
+            times = ", ".join(f"{route} {s * 1e6:.0f} us" for route, s in _TIMINGS[key_for(same[0], r)].items())
+            parts.append(f"{r} row{'s' if r > 1 else ''}: {name} ({times})")
+        lines.append(f"    int{bits} g{group} {k:>6d} -> {n:<6d} x{len(same):<3d} " + "; ".join(parts))
+    return lines
 
 
 def _addresses(buffers: dict) -> tuple[int, int, int]:
