@@ -208,7 +208,7 @@ def test_the_route_left_for_every_longer_prompt_must_not_lose_to_plain_at_512_to
     with cast.context(512):
         assert not accel_prefill._ONEDNN.get()
     monkeypatch.setattr(accel_prefill, "time_prefills", lambda *a: pytest.fail("timed although cached"))
-    assert choose_prefill_cast(long_context_model(), allow_bf16=False)[0] == cast  # the check is cached too
+    assert choose_prefill_cast(long_context_model(), allow_bf16=False)[0] == cast  # 512 is cached too
     monkeypatch.setattr(accel_prefill, "time_prefills", fake)
     times[512]["onednn"] = 0.779  # a tie: the route goes on
     assert choose_prefill_cast(long_context_model(), use_cache=False, allow_bf16=False)[0] == PrefillCast(
@@ -224,6 +224,20 @@ def test_the_route_left_for_every_longer_prompt_must_not_lose_to_plain_at_512_to
                                     max_seq_len=511)).eval()
     assert choose_prefill_cast(short, use_cache=False, allow_bf16=False)[0] == PrefillCast(torch.float32, 64)
     assert timed == [64, 256]
+
+
+def test_timings_without_512_tokens_do_not_stand_in_for_a_model_with_room_for_them(monkeypatch):
+    """A shorter context's entry (64 and 256 tokens timed), like a cache written before 512 was a timed length, is
+    not the entry of a model of the same shapes with room for 512 tokens: that one times all three lengths (it took
+    the shorter entry and never timed 512)."""
+    timed = []
+    monkeypatch.setattr(accel_prefill, "time_prefills",
+                        lambda model, length, casts: timed.append(length) or {k: 1.0 for k in casts})
+    short = build_model(ModelConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96,
+                                    max_seq_len=511)).eval()
+    choose_prefill_cast(short, allow_bf16=False)
+    choose_prefill_cast(long_context_model(), allow_bf16=False)
+    assert timed == [64, 256, 64, 256, 512]
 
 
 def test_a_route_that_leads_only_at_512_tokens_takes_the_longest_prompts(monkeypatch):

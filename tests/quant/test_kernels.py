@@ -108,6 +108,9 @@ def test_pinned_route_is_used():
     assert routes.choose_route(layer, 1) == "dequant"
     with pytest.raises(ValueError, match="unknown quantised route"):
         routes.set_route(key, "nope")
+    routes.set_route(routes.key_for(layer, 256), "dequant")
+    [line] = routes.describe([layer])  # what `seqlab info` prints: a pinned route has no timings to show
+    assert line.endswith("1 row: dequant (pinned); 256 rows: dequant (pinned)"), line
     routes.clear_routes()
 
 

@@ -54,7 +54,7 @@ MIN_SPEEDUP = 1.25  # bf16, as for bf16 decode (seqlab.accel.apply.BF16_MIN_SPEE
 # on a Zen 4 under the AVX2 caps oneDNN's SmolLM2 prefill led MKL's by 5-19 % in twelve calibrations (a forced
 # oneDNN route took 7-12 % off the 512-token TTFT), and 1.1 took it in four of them at 64 tokens.
 ONEDNN_MIN_SPEEDUP = 1.05
-ROUNDS = 2  # best of 2 after a warm-up: SmolLM2's three routes at both lengths take about 5 s once per CPU
+ROUNDS = 2  # best of 2 after a warm-up: SmolLM2's three routes at the three lengths take about 10 s once per CPU
 
 
 _ONEDNN: contextvars.ContextVar[bool] = contextvars.ContextVar("seqlab_prefill_onednn", default=False)
@@ -169,7 +169,9 @@ def prefill_key(model: nn.Module, allow_bf16: bool = True) -> str:
     schemes = Counter(f"int{m.bits} g{m.group_size}" for m in model.modules() if isinstance(m, QuantLinear))
     if schemes:  # quantised products run seqlab.quant's routes: a dense model's timings of these shapes say nothing
         extras += "|quantised " + ", ".join(f"{n} x{count}" for n, count in sorted(schemes.items()))
-    return f"prefill|{routes}|{extras}|{hashlib.sha1(repr(dims).encode()).hexdigest()[:16]}"
+    # the lengths timed: an entry from before 512 was one of them, or from a shorter context, must not stand in
+    lengths = ",".join(str(n) for n in LENGTHS if n <= cfg.max_seq_len)
+    return f"prefill|{routes}|{extras}|lengths {lengths}|{hashlib.sha1(repr(dims).encode()).hexdigest()[:16]}"
 
 
 def candidate_casts(allow_bf16: bool) -> dict[str, PrefillCast | None]:

@@ -182,7 +182,8 @@ def describe(layers: Iterable, rows: tuple[int, ...] = (1, 256)) -> list[str]:
         parts = []
         for r in rows:
             name = choose_route(same[0], r)
-            times = ", ".join(f"{route} {s * 1e6:.0f} us" for route, s in _TIMINGS[key_for(same[0], r)].items())
+            timings = _TIMINGS.get(key_for(same[0], r))  # none where set_route pinned the route
+            times = ", ".join(f"{route} {s * 1e6:.0f} us" for route, s in timings.items()) if timings else "pinned"
             parts.append(f"{r} row{'s' if r > 1 else ''}: {name} ({times})")
         lines.append(f"    int{bits} g{group} {k:>6d} -> {n:<6d} x{len(same):<3d} " + "; ".join(parts))
     return lines
