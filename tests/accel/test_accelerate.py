@@ -151,6 +151,16 @@ def test_best_of_rounds_skips_the_warm_up_and_keeps_each_candidates_fastest_roun
     assert order == ["a", "b", "c"] * 4
     assert timings == {"a": 3.0, "b": 2.0, "c": 9.0}
     assert calibrate.best_of_rounds({"x": lambda: None}, 0) == {"x": float("inf")}  # no round: no sample
+    # warm_up=False (the same calls ran at another size): every call is a sample, the first one included
+    ticks = iter([0.5, 5.0, 3.0])
+    calls = []
+
+    def timed():
+        calls.append(1)
+        now[0] += next(ticks)
+
+    assert calibrate.best_of_rounds({"a": timed}, 3, clock=lambda: now[0], warm_up=False) == {"a": 0.5}
+    assert len(calls) == 3
 
 
 def test_a_route_faster_than_plain_is_chosen_and_slower_never():

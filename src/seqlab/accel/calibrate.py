@@ -204,14 +204,16 @@ def time_routes(use: Use, in_features: int, out_features: int, bias: bool, route
 
 def best_of_rounds(runs: Mapping[str, Callable[..., object]], rounds: int,
                    clock: Callable[[], float] = time.perf_counter, setup: Callable[[str], object] | None = None,
-                   declined: Callable[[object], bool] | None = None) -> dict[str, float]:
-    """Seconds per call of each of ``runs``: a warm-up round (kernels built, primitives made), then ``rounds``
-    interleaved rounds, so a busy phase of the shared machine hits every candidate alike, and the best round of
-    each, since other processes only ever add time. With ``setup``, each call gets ``setup(name)``, made outside
+                   declined: Callable[[object], bool] | None = None, warm_up: bool = True) -> dict[str, float]:
+    """Seconds per call of each of ``runs``: a warm-up round (kernels built, primitives made; ``warm_up=False``
+    where the same calls already ran at another size), then ``rounds`` interleaved rounds, so a busy phase of the
+    shared machine hits every candidate alike, and the best round of each, since other processes only ever add
+    time. With ``setup``, each call gets ``setup(name)``, made outside
     the timed span (a fresh cache, say); a call whose result ``declined`` rejects (a kernel that fell back) is not
     a sample, so it cannot win by being quick."""
     best = dict.fromkeys(runs, float("inf"))
-    for r in range(rounds + 1):
+    first = 0 if warm_up else 1
+    for r in range(first, rounds + 1):
         for name, run in runs.items():
             args = () if setup is None else (setup(name),)
             t0 = clock()

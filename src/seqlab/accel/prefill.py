@@ -54,7 +54,10 @@ MIN_SPEEDUP = 1.25  # bf16, as for bf16 decode (seqlab.accel.apply.BF16_MIN_SPEE
 # on a Zen 4 under the AVX2 caps oneDNN's SmolLM2 prefill led MKL's by 5-19 % in twelve calibrations (a forced
 # oneDNN route took 7-12 % off the 512-token TTFT), and 1.1 took it in four of them at 64 tokens.
 ONEDNN_MIN_SPEEDUP = 1.05
-ROUNDS = 2  # best of 2 after a warm-up: SmolLM2's three routes at the three lengths take about 10 s once per CPU
+# Best of 2, after a warm-up round at the first length only: at 256 and 512 tokens the first round measured within
+# 1-3 % of the next two on every route (a Zen 4 EPYC, SmolLM2), which best-of-2 absorbs, and leaving those warm-ups
+# out takes SmolLM2's prefill timing from about 10 to about 7 s once per CPU.
+ROUNDS = 2
 
 
 _ONEDNN: contextvars.ContextVar[bool] = contextvars.ContextVar("seqlab_prefill_onednn", default=False)
@@ -197,7 +200,7 @@ def time_prefills(model: nn.Module, length: int, casts: dict[str, PrefillCast | 
 
     with torch.inference_mode():
         return best_of_rounds({name: run(cast) for name, cast in casts.items()}, ROUNDS, clock,
-                              setup=lambda name: model.new_cache(1, length))
+                              setup=lambda name: model.new_cache(1, length), warm_up=length == LENGTHS[0])
 
 
 def time_head(model: nn.Module, rounds: int = 5, clock: Callable[[], float] = time.perf_counter
