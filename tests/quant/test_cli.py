@@ -41,3 +41,26 @@ def test_quantize_load_generate_perplexity(tmp_path):
     # a second quantisation on top is refused, not ignored under a label it does not have
     proc = run_seqlab(["perplexity", "--checkpoint", "q4", "--file", "t.txt", "--quant", "int8"], cwd=tmp_path)
     assert proc.returncode == 2 and "--quant int8: --checkpoint" in proc.stderr and "already quantised" in proc.stderr
+
+
+def test_group_size_on_the_fly_matches_a_quantised_checkpoint(tmp_path):
+    """``--quant int8 --group-size 0`` on a GGUF file scores a text as the folder ``seqlab quantize --bits 8
+    --group-size 0`` wrote (the same weights, one scale per channel), and not as the default groups of 32."""
+    write_tiny_llama(tmp_path / "tiny.gguf")
+    (tmp_path / "t.txt").write_text("the other then the end, in the hall\n" * 3)
+    assert run_seqlab(["quantize", "--gguf", "tiny.gguf", "--bits", "8", "--group-size", "0", "--out", "q8"],
+                      cwd=tmp_path).returncode == 0
+
+    def score(*source: str) -> float:
+        proc = run_seqlab(["perplexity", *source, "--file", "t.txt", "--window", "16", "--json", "p.json"],
+                          cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads((tmp_path / "p.json").read_text())["perplexity"]
+
+    saved = score("--checkpoint", "q8")
+    assert abs(score("--gguf", "tiny.gguf", "--quant", "int8", "--group-size", "0") - saved) < 1e-4 * saved
+    assert abs(score("--gguf", "tiny.gguf", "--quant", "int8") - saved) > 1e-4 * saved  # groups of 32: another model
+    for bad, message in ((["--group-size", "32"], "--group-size 32: only with --quant int8 or int4"),
+                         (["--quant", "gguf", "--group-size", "32"], "only with --quant int8 or int4")):
+        proc = run_seqlab(["perplexity", "--gguf", "tiny.gguf", "--file", "t.txt", *bad], cwd=tmp_path)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -49,6 +49,9 @@ def add_model_source(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--quant", choices=QUANT_CHOICES, default=None,
                    help="weight-only quantised inference: int8 (groups of 32), int4 (groups of 64; 32 for a GGUF "
                         "file), or gguf (a GGUF file's Q4/Q8 blocks kept as they are; see docs/quantization.md)")
+    p.add_argument("--group-size", type=int, default=None, metavar="N",
+                   help="with --quant int8/int4: weights per scale (32, 64 or 128; int8 also 0 = one per output "
+                        "channel), as `seqlab quantize --group-size`")
 
 
 @dataclass
@@ -77,9 +80,13 @@ def load_model(args: argparse.Namespace, default_gguf: Path | None = None) -> Lo
     """The model and tokenizer the flags name (``default_gguf`` when none is given), on ``--device``."""
     device = resolve_device(args.device)
     dtype = DTYPES.get(args.dtype, torch.float32)  # auto: load fp32, the accelerator picks the compute dtype
+    group_size = getattr(args, "group_size", None)
+    if group_size is not None and args.quant not in ("int8", "int4"):
+        raise ValueError(f"--group-size {group_size}: only with --quant int8 or int4 (gguf keeps the file's blocks)")
     if args.checkpoint:
         folder = resolve_checkpoint(args.checkpoint)
-        model = apply_quant(load_pretrained(folder, dtype=dtype, device=device), args.quant, f"--checkpoint {folder}")
+        model = apply_quant(load_pretrained(folder, dtype=dtype, device=device), args.quant, f"--checkpoint {folder}",
+                            group_size)
         tok_path = folder / "tokenizer.json"
         if not tok_path.is_file():
             raise FileNotFoundError(f"{tok_path}: no tokenizer next to the checkpoint; text prompts need one")
@@ -89,12 +96,16 @@ def load_model(args: argparse.Namespace, default_gguf: Path | None = None) -> Lo
         return LoadedModel(model, tokenizer, folder)
     if args.model:
         folder = Path(args.model)
-        model = apply_quant(load_hf(folder, dtype=dtype, device=device), args.quant, f"--model {folder}")
+        model = apply_quant(load_hf(folder, dtype=dtype, device=device), args.quant, f"--model {folder}", group_size)
         return LoadedModel(model, Tokenizer.from_pretrained(folder), folder)
     path = Path(args.gguf) if args.gguf else default_gguf
     if path is None:
         raise ValueError("no model given: pass --checkpoint DIR, --gguf PATH or --model HFDIR")
-    model, tokenizer = load_gguf(path, dtype=dtype, device=device, quant=args.quant)
+    if group_size is None:
+        model, tokenizer = load_gguf(path, dtype=dtype, device=device, quant=args.quant)
+    else:  # the file's weights, dense, re-quantised at the size asked for
+        model, tokenizer = load_gguf(path, dtype=dtype, device=device)
+        model = apply_quant(model, args.quant, f"--gguf {path}", group_size)
     return LoadedModel(model, tokenizer, path)
 
 
@@ -120,12 +131,13 @@ def prompt_ids(loaded: LoadedModel, text: str, bos: bool = True) -> list[int]:
     return loaded.tokenizer.encode(text, add_special_tokens=bos)
 
 
-def apply_quant(model: nn.Module, quant: str | None, source: str) -> nn.Module:
-    """Quantise a loaded dense model for ``--quant`` (``gguf`` keeps a GGUF file's blocks, so it applies at load)."""
+def apply_quant(model: nn.Module, quant: str | None, source: str, group_size: int | None = None) -> nn.Module:
+    """Quantise a loaded dense model for ``--quant`` (``gguf`` keeps a GGUF file's blocks, so it applies at load),
+    in groups of ``group_size`` (None: the scheme's default)."""
     if quant is None:
         return model
     if model.config.extra.get("quant"):
         raise ValueError(f"--quant {quant}: {source} is already quantised (seqlab quantize); drop --quant")
     if quant == "gguf":
         raise ValueError(f"--quant gguf keeps a GGUF file's blocks; {source} is not a GGUF file (use int8 or int4)")
-    return quantize(model, bits=int(quant[3:]))
+    return quantize(model, bits=int(quant[3:]), group_size=group_size)
