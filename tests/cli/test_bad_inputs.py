@@ -156,7 +156,7 @@ EXPORT_CASES: list[Case] = [
 QUANT_CASES: list[Case] = [
     Case("quantize-bits-3", ["quantize", "--checkpoint", "{run}/checkpoints/step_00000002", "--bits", "3", "--out", "{tmp}/q"], "--bits 3"),
     Case("quantize-group-48", ["quantize", "--checkpoint", "{run}/checkpoints/step_00000002", "--bits", "4", "--group-size", "48", "--out", "{tmp}/q"], "unsupported group size 48"),
-    Case("quantize-group-not-dividing", ["quantize", "--checkpoint", "{run}/checkpoints/step_00000002", "--bits", "4", "--group-size", "64", "--out", "{tmp}/q"], "attn.qkv: group size 64 does not divide in_features=32; a group size that does: 32 (seqlab quantize --group-size 32)"),
+    Case("quantize-group-not-dividing", ["quantize", "--checkpoint", "{run}/checkpoints/step_00000002", "--bits", "4", "--group-size", "64", "--out", "{tmp}/q"], "attn.qkv: group size 64 does not divide in_features=32; a group size that divides it: 32; --group-size 32 fits every layer"),
     Case("quantize-no-checkpoint", ["quantize", "--checkpoint", "{tmp}/nope", "--bits", "8", "--out", "{tmp}/q"], "nope"),
     Case("quantize-out-not-empty", ["quantize", "--checkpoint", "{run}/checkpoints/step_00000002", "--bits", "8", "--out", "{tmp}/full"], "the folder is not empty", files={"full/keep.txt": "mine"}),
     Case("quantize-not-gguf", ["quantize", "--gguf", "{tmp}/x.gguf", "--bits", "8", "--out", "{tmp}/q"], "not a GGUF file", files={"x.gguf": "hello, this is plainly not a model file"}),

@@ -81,7 +81,7 @@ def test_info_counts_quantised_weights_and_describes_an_encoder(tiny_gguf, tmp_p
     shapes = {(m.in_features, m.out_features) for m in dense.modules() if type(m) is torch.nn.Linear}
     lines = [line for line in out.splitlines() if line.startswith("    int8 g")]
     assert "quantised products (" in out and {tuple(int(v) for v in line.split()[2:5:2]) for line in lines} <= shapes
-    assert lines and all(re.search(r"1 row: (\w+) \(.*\1 \d+ us.*\); 256 rows: (\w+) \(.*\2 \d+ us", line)
+    assert lines and all(re.search(r"1 row: (\w+) \(.*\1 [\d.]+ [um]s.*\); 256 rows: (\w+) \(.*\2 [\d.]+ [um]s", line)
                          for line in lines), out
     assert "all products" not in out  # no plain product left to route: no line about them
     encoder = build_model(ModelConfig(arch="encoder", vocab_size=50, d_model=32, n_layers=1, n_heads=2))

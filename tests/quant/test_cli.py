@@ -61,6 +61,14 @@ def test_group_size_on_the_fly_matches_a_quantised_checkpoint(tmp_path):
     assert abs(score("--gguf", "tiny.gguf", "--quant", "int8", "--group-size", "0") - saved) < 1e-4 * saved
     assert abs(score("--gguf", "tiny.gguf", "--quant", "int8") - saved) > 1e-4 * saved  # groups of 32: another model
     for bad, message in ((["--group-size", "32"], "--group-size 32: only with --quant int8 or int4"),
-                         (["--quant", "gguf", "--group-size", "32"], "only with --quant int8 or int4")):
+                         (["--quant", "gguf", "--group-size", "32"], "not with --quant gguf"),
+                         (["--quant", "int4", "--group-size", "0"], "int4 takes 32, 64 or 128"),
+                         (["--quant", "int4", "--group-size", "7"], "invalid choice: 7"),
+                         (["--quant", "int4", "--group-size", "128"], "--group-size 32 fits every layer")):
         proc = run_seqlab(["perplexity", "--gguf", "tiny.gguf", "--file", "t.txt", *bad], cwd=tmp_path)
         assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+    proc = run_seqlab(["perplexity", "--checkpoint", "q8", "--file", "t.txt", "--group-size", "32"], cwd=tmp_path)
+    assert proc.returncode == 2 and "already quantised (seqlab quantize); drop --group-size" in proc.stderr
+    proc = run_seqlab(["perplexity", "--checkpoint", "q8", "--file", "t.txt", "--json", "p.json"], cwd=tmp_path)
+    assert "in one scale per output channel" in proc.stdout  # the groups, not only the bits
+    assert "one scale per output channel" in json.loads((tmp_path / "p.json").read_text())["quant_layers"]

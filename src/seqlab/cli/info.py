@@ -38,8 +38,9 @@ def run(args: argparse.Namespace) -> int:
     print(accelerate(model, "decode", rows=1, dtype="auto").accel_plan.summary())
     quantised = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if quantised:  # their products' routes are seqlab.quant's, chosen per shape and row count
-        print(f"quantised products ({len(quantised)} layers; routes timed once per shape and row count, "
-              f"cached in {routes.cache_path()}):")
+        print(f"quantised products ({len(quantised)} layers; each shape's route at a decode step's one row and a "
+              f"prefill's 256, timed once and cached in {routes.cache_path()}; where the prefill line above says bf16, "
+              f"`dequant` multiplies in bf16):")
         print("\n".join(routes.describe(quantised)))
     return 0
 

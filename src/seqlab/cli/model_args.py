@@ -49,7 +49,7 @@ def add_model_source(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--quant", choices=QUANT_CHOICES, default=None,
                    help="weight-only quantised inference: int8 (groups of 32), int4 (groups of 64; 32 for a GGUF "
                         "file), or gguf (a GGUF file's Q4/Q8 blocks kept as they are; see docs/quantization.md)")
-    p.add_argument("--group-size", type=int, default=None, metavar="N",
+    p.add_argument("--group-size", type=int, default=None, choices=(0, 32, 64, 128), metavar="N",
                    help="with --quant int8/int4: weights per scale (32, 64 or 128; int8 also 0 = one per output "
                         "channel), as `seqlab quantize --group-size`")
 
@@ -80,9 +80,13 @@ def load_model(args: argparse.Namespace, default_gguf: Path | None = None) -> Lo
     """The model and tokenizer the flags name (``default_gguf`` when none is given), on ``--device``."""
     device = resolve_device(args.device)
     dtype = DTYPES.get(args.dtype, torch.float32)  # auto: load fp32, the accelerator picks the compute dtype
-    group_size = getattr(args, "group_size", None)
-    if group_size is not None and args.quant not in ("int8", "int4"):
-        raise ValueError(f"--group-size {group_size}: only with --quant int8 or int4 (gguf keeps the file's blocks)")
+    group_size = getattr(args, "group_size", None)  # checked before the (slow) load where the flags alone decide
+    if group_size is not None and args.quant == "gguf":
+        raise ValueError(f"--group-size {group_size}: not with --quant gguf, which keeps the file's blocks")
+    if group_size is not None and args.quant is None and not args.checkpoint:  # (a checkpoint may be quantised)
+        raise ValueError(f"--group-size {group_size}: only with --quant int8 or int4")
+    if group_size == 0 and args.quant == "int4":
+        raise ValueError("--group-size 0 (one scale per output channel) is int8's; int4 takes 32, 64 or 128")
     if args.checkpoint:
         folder = resolve_checkpoint(args.checkpoint)
         model = apply_quant(load_pretrained(folder, dtype=dtype, device=device), args.quant, f"--checkpoint {folder}",
@@ -135,6 +139,10 @@ def apply_quant(model: nn.Module, quant: str | None, source: str, group_size: in
     """Quantise a loaded dense model for ``--quant`` (``gguf`` keeps a GGUF file's blocks, so it applies at load),
     in groups of ``group_size`` (None: the scheme's default)."""
     if quant is None:
+        if group_size is not None:
+            raise ValueError(f"--group-size {group_size}: {source} is already quantised (seqlab quantize); drop "
+                             f"--group-size" if model.config.extra.get("quant") else
+                             f"--group-size {group_size}: only with --quant int8 or int4")
         return model
     if model.config.extra.get("quant"):
         raise ValueError(f"--quant {quant}: {source} is already quantised (seqlab quantize); drop --quant")

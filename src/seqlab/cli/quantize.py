@@ -12,6 +12,7 @@ from pathlib import Path
 
 from seqlab.io import load_gguf, load_pretrained
 from seqlab.quant import quantize
+from seqlab.quant.convert import describe_layout
 from seqlab.quant.checkpoint import save_quantized
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -51,8 +52,5 @@ def run(args: argparse.Namespace) -> int:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
             if (Path(args.checkpoint) / name).is_file():
                 shutil.copyfile(Path(args.checkpoint) / name, out / name)
-    layout = model.config.extra["quant"]["layers"]
-    print(f"wrote {out}: {len(layout)} layers at int{args.bits}, group size "
-          f"{args.group_size if args.group_size is not None else ('64' if args.bits == 4 else '32')}",
-          file=sys.stderr)
+    print(f"wrote {out}: {describe_layout(model.config.extra['quant']['layers'])}", file=sys.stderr)
     return 0

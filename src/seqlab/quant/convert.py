@@ -15,7 +15,7 @@ from torch.overrides import TorchFunctionMode
 
 from seqlab.model.layers import Rotary
 from seqlab.quant.linear import QuantEmbedding, QuantLinear
-from seqlab.quant.schemes import Scheme
+from seqlab.quant.schemes import INT4_GROUP_SIZES, INT8_GROUP_SIZES, Scheme
 
 _LINEARS = (nn.Linear,)
 LM_HEAD = "lm_head.proj"
@@ -67,7 +67,11 @@ def quantize(model: nn.Module, bits: int = 8, group_size: int | None = None, lm_
     targets = [(name, m) for name, m in model.named_modules() if type(m) in _LINEARS]
     plan = {name: scheme_for(name, m.in_features) for name, m in targets}
     for name, m in targets:  # validate all before changing anything
-        plan[name].check(m.in_features, name)
+        try:
+            plan[name].check(m.in_features, name)
+        except ValueError as e:
+            raise ValueError(f"{e}{_fitting_size_hint(bits, [m.in_features for n, m in targets if n != LM_HEAD])}") \
+                from None
     tied: dict[str, list[str]] = {}
     layout = {}
     for name, m in targets:
@@ -83,6 +87,38 @@ def quantize(model: nn.Module, bits: int = 8, group_size: int | None = None, lm_
         layout[name] = {"bits": q.bits, "group_size": q.group_size, "bias": bias is not None}
     record_layout(model, layout, tied)
     return model.eval()
+
+
+def _fitting_size_hint(bits: int, in_features: list[int]) -> str:
+    """``"; --group-size 32 fits every layer"``: the largest group size every layer of ``bits`` takes, or ""."""
+    every = [g for g in reversed(INT4_GROUP_SIZES if bits == 4 else INT8_GROUP_SIZES)
+             if all(_fits(Scheme(bits, g), k) for k in in_features)]
+    if not every:
+        return ""
+    size = every[0]
+    return f"; --group-size {size} fits every layer" + (" (one scale per output channel)" if size == 0 else "")
+
+
+def _fits(scheme: Scheme, in_features: int) -> bool:
+    try:
+        scheme.check(in_features)
+        return True
+    except ValueError:
+        return False
+
+
+def describe_layout(layers: dict[str, dict]) -> str:
+    """``"120 layers int4 in groups of 32, 1 int8 in groups of 32 (the LM head)"``: the schemes a quantised model's
+    layers got (``config.extra["quant"]["layers"]``), so one figure does not hide a per-channel or int8 layer."""
+    counts: dict[tuple[int, int, bool], int] = {}
+    for name, spec in layers.items():
+        key = (int(spec["bits"]), int(spec["group_size"]), name == LM_HEAD)
+        counts[key] = counts.get(key, 0) + 1
+    parts = []
+    for (bits, group, head), n in sorted(counts.items(), key=lambda kv: (kv[0][2], -kv[1])):
+        groups = "one scale per output channel" if group == 0 else f"groups of {group}"
+        parts.append(f"{n} layer{'s' if n > 1 else ''} int{bits} in {groups}" + (" (the LM head)" if head else ""))
+    return ", ".join(parts)
 
 
 def record_layout(model: nn.Module, layers: dict[str, dict], tied: dict[str, list[str]]) -> None:

@@ -183,10 +183,14 @@ def describe(layers: Iterable, rows: tuple[int, ...] = (1, 256)) -> list[str]:
         for r in rows:
             name = choose_route(same[0], r)
             timings = _TIMINGS.get(key_for(same[0], r))  # none where set_route pinned the route
-            times = ", ".join(f"{route} {s * 1e6:.0f} us" for route, s in timings.items()) if timings else "pinned"
+            times = ", ".join(f"{route} {_duration(s)}" for route, s in timings.items()) if timings else "pinned"
             parts.append(f"{r} row{'s' if r > 1 else ''}: {name} ({times})")
         lines.append(f"    int{bits} g{group} {k:>6d} -> {n:<6d} x{len(same):<3d} " + "; ".join(parts))
     return lines
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds >= 0.01 else f"{seconds * 1e6:.0f} us"
 
 
 def _addresses(buffers: dict) -> tuple[int, int, int]:

@@ -41,8 +41,7 @@ class Scheme:
                     and (self.bits == 8 or in_features % SUB_BLOCK == 0)]
             raise ValueError(f"{layer}: group size {group} does not divide in_features={in_features}"
                              + (" (int8 rows must also be a multiple of 8)" if self.bits == 8 else "")
-                             + (f"; a group size that does: {fits[-1]} (seqlab quantize --group-size {fits[-1]})"
-                                if fits and in_features % 8 == 0 else ""))
+                             + (f"; a group size that divides it: {fits[-1]}" if fits and in_features % 8 == 0 else ""))
 
     def groups(self, in_features: int) -> int:
         return in_features // (self.group_size or in_features)
