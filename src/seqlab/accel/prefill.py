@@ -47,7 +47,7 @@ from seqlab.runtime.cpu import native_bf16
 # Prompt lengths timed: each one's winner takes the prompts from it to the next, the last one's every longer prompt.
 # 512 is timed on every route, whatever 256 chose, since the margins move with the length both ways: on a Zen 3
 # EPYC a prefill on oneDNN led plain MKL at 256 tokens and trailed it at 512; on a Zen 4 under the AVX2 caps it led
-# by 8 % at 256 and by 12 % at 512. Three prefills of each route at 512: about 5 s on SmolLM2.
+# by 8 % at 256 and by 12 % at 512. Two prefills of each route at 512 (best of two): about 3-4 s on SmolLM2.
 LENGTHS = (64, 256, 512)
 MIN_SPEEDUP = 1.25  # bf16, as for bf16 decode (seqlab.accel.apply.BF16_MIN_SPEEDUP): only where clearly faster
 # fp32 on oneDNN changes only the rounding, so a margin just over the timings' noise suffices. 1.1 missed real gains:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from seqlab.io import load_gguf, load_pretrained
 from seqlab.quant import quantize
-from seqlab.quant.convert import describe_layout
 from seqlab.quant.checkpoint import save_quantized
+from seqlab.quant.convert import describe_layout
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="write an int8/int4 weight-only copy of a model",

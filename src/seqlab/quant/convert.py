@@ -108,7 +108,7 @@ def _fits(scheme: Scheme, in_features: int) -> bool:
 
 
 def describe_layout(layers: dict[str, dict]) -> str:
-    """``"120 layers int4 in groups of 32, 1 int8 in groups of 32 (the LM head)"``: the schemes a quantised model's
+    """``"120 layers int4 in groups of 32, 1 layer int8 in groups of 32 (the LM head)"``: the schemes a quantised model's
     layers got (``config.extra["quant"]["layers"]``), so one figure does not hide a per-channel or int8 layer."""
     counts: dict[tuple[int, int, bool], int] = {}
     for name, spec in layers.items():
