@@ -9,6 +9,8 @@ rebuilt with :func:`apply_layout` before its tensors are loaded.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
@@ -110,10 +112,7 @@ def _fits(scheme: Scheme, in_features: int) -> bool:
 def describe_layout(layers: dict[str, dict]) -> str:
     """``"120 layers int4 in groups of 32, 1 layer int8 in groups of 32 (the LM head)"``: the schemes a quantised model's
     layers got (``config.extra["quant"]["layers"]``), so one figure does not hide a per-channel or int8 layer."""
-    counts: dict[tuple[int, int, bool], int] = {}
-    for name, spec in layers.items():
-        key = (int(spec["bits"]), int(spec["group_size"]), name == LM_HEAD)
-        counts[key] = counts.get(key, 0) + 1
+    counts = Counter((int(spec["bits"]), int(spec["group_size"]), name == LM_HEAD) for name, spec in layers.items())
     parts = []
     for (bits, group, head), n in sorted(counts.items(), key=lambda kv: (kv[0][2], -kv[1])):
         groups = "one scale per output channel" if group == 0 else f"groups of {group}"
