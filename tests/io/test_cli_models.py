@@ -70,6 +70,30 @@ def test_generate_chat_without_template_is_refused(tmp_path, capsys):
 
 
 
+def test_info_quantises_as_generate_would(tiny_gguf, tmp_path, capsys):
+    # `seqlab info FILE --quant int8` shows the int8 routes a `generate --quant int8` runs, without a quantised copy
+    # first; the groups follow --group-size, and a size the flags alone rule out is refused before the load
+    def layout(out: str) -> list[list[str]]:  # scheme, group, in -> out, layer count of each quantised shape
+        return [line.split()[:6] for line in out.splitlines() if line.startswith("    int")]
+
+    assert main(["info", str(tiny_gguf), "--quant", "int8", "--group-size", "0"]) == 0
+    on_the_fly = layout(capsys.readouterr().out)
+    assert main(["quantize", "--gguf", str(tiny_gguf), "--bits", "8", "--group-size", "0", "--out",
+                 str(tmp_path / "q0")]) == 0
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "q0")]) == 0
+    assert on_the_fly == layout(capsys.readouterr().out)
+    assert ["int8", "g0"] in [row[:2] for row in on_the_fly]  # the head keeps int8 in groups of 32, as quantize's
+    assert main(["info", str(tiny_gguf)]) == 0
+    assert "quantised products" not in capsys.readouterr().out  # dense without --quant, as before
+    assert main(["info", str(tiny_gguf), "--group-size", "32"]) == 2
+    assert "--group-size 32: only with --quant int8 or int4" in capsys.readouterr().err
+    assert main(["quantize", "--gguf", str(tiny_gguf), "--bits", "8", "--out", str(tmp_path / "q")]) == 0
+    capsys.readouterr()
+    assert main(["info", str(tmp_path / "q"), "--quant", "int4"]) == 2
+    assert "already quantised (seqlab quantize); drop --quant" in capsys.readouterr().err
+
+
 def test_info_counts_quantised_weights_and_describes_an_encoder(tiny_gguf, tmp_path, capsys):
     dense, _ = load_gguf(tiny_gguf)
     assert main(["quantize", "--gguf", str(tiny_gguf), "--bits", "8", "--out", str(tmp_path / "q")]) == 0

@@ -7,6 +7,7 @@ import argparse
 from pathlib import Path
 
 from seqlab.accel import accelerate
+from seqlab.cli.model_args import add_quant_flags, apply_quant, check_quant_flags
 from seqlab.io import load_gguf, load_pretrained
 from seqlab.quant import QuantLinear, routes
 
@@ -17,15 +18,21 @@ def register(sub: argparse._SubParsersAction) -> None:
                                    "or GGUF file, and the CPU routes measured for it on this machine.")
     p.add_argument("path", help="a seqlab or Hugging Face model folder (config.json + model.safetensors), a training "
                                 "checkpoint, a run directory (its latest checkpoint), or a .gguf file (its weights "
-                                "dense, as `seqlab generate --gguf` loads them)")
+                                "dense, as `seqlab generate --gguf` loads them, unless --quant)")
+    add_quant_flags(p)  # the routes a quantised model runs, as `seqlab generate --quant` would quantise it
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     path = Path(args.path)
-    model = load_gguf(path, with_tokenizer=False)[0] if path.suffix == ".gguf" and path.is_file() \
-        else load_pretrained(args.path)
+    gguf = path.suffix == ".gguf" and path.is_file()
+    check_quant_flags(args.quant, args.group_size, may_be_quantised=not gguf)
+    if gguf and args.group_size is None:  # --quant as `seqlab generate --gguf` applies it (gguf keeps the blocks)
+        model = load_gguf(path, with_tokenizer=False, quant=args.quant)[0]
+    else:
+        model = load_gguf(path, with_tokenizer=False)[0] if gguf else load_pretrained(args.path)
+        model = apply_quant(model, args.quant, str(path), args.group_size)
     cfg = model.config
     print(cfg.to_json())
     if cfg.arch == "encoder":  # no decode loop, hence no cache and no decode routes

@@ -46,12 +46,31 @@ def add_model_source(p: argparse.ArgumentParser, required: bool = True) -> None:
                         "only where this CPU has native bf16 and they measure faster, see docs/acceleration.md), fp32 "
                         "(exactly fp32 everywhere), or bf16 (float32/bfloat16 are accepted too)")
     p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda[:N], or auto (a GPU if any)")
+    add_quant_flags(p)
+
+
+def add_quant_flags(p: argparse.ArgumentParser) -> None:
+    """``--quant`` and ``--group-size``: a dense model quantised as it loads."""
     p.add_argument("--quant", choices=QUANT_CHOICES, default=None,
-                   help="weight-only quantised inference: int8 (groups of 32), int4 (groups of 64; 32 for a GGUF "
-                        "file), or gguf (a GGUF file's Q4/Q8 blocks kept as they are; see docs/quantization.md)")
+                   help="weight-only quantised inference: int8 (groups of 32; one scale per output channel for a "
+                        "layer 32 does not divide), int4 (groups of 64; 32 for a GGUF file), or gguf (a GGUF file's "
+                        "Q4/Q8 blocks kept as they are; see docs/quantization.md)")
     p.add_argument("--group-size", type=int, default=None, choices=(0, 32, 64, 128), metavar="N",
                    help="with --quant int8/int4: weights per scale (32, 64 or 128; int8 also 0 = one per output "
                         "channel), as `seqlab quantize --group-size`")
+
+
+def check_quant_flags(quant: str | None, group_size: int | None, may_be_quantised: bool) -> None:
+    """Refuse a ``--group-size`` the flags alone rule out, before the (slow) load. ``may_be_quantised``: the source
+    is a seqlab folder, which may hold a quantised model (``apply_quant`` then decides, after the load)."""
+    if group_size is None:
+        return
+    if quant == "gguf":
+        raise ValueError(f"--group-size {group_size}: not with --quant gguf, which keeps the file's blocks")
+    if quant is None and not may_be_quantised:
+        raise ValueError(f"--group-size {group_size}: only with --quant int8 or int4")
+    if group_size == 0 and quant == "int4":
+        raise ValueError("--group-size 0 (one scale per output channel) is int8's; int4 takes 32, 64 or 128")
 
 
 @dataclass
@@ -80,13 +99,8 @@ def load_model(args: argparse.Namespace, default_gguf: Path | None = None) -> Lo
     """The model and tokenizer the flags name (``default_gguf`` when none is given), on ``--device``."""
     device = resolve_device(args.device)
     dtype = DTYPES.get(args.dtype, torch.float32)  # auto: load fp32, the accelerator picks the compute dtype
-    group_size = getattr(args, "group_size", None)  # checked before the (slow) load where the flags alone decide
-    if group_size is not None and args.quant == "gguf":
-        raise ValueError(f"--group-size {group_size}: not with --quant gguf, which keeps the file's blocks")
-    if group_size is not None and args.quant is None and not args.checkpoint:  # (a checkpoint may be quantised)
-        raise ValueError(f"--group-size {group_size}: only with --quant int8 or int4")
-    if group_size == 0 and args.quant == "int4":
-        raise ValueError("--group-size 0 (one scale per output channel) is int8's; int4 takes 32, 64 or 128")
+    group_size = getattr(args, "group_size", None)
+    check_quant_flags(args.quant, group_size, may_be_quantised=bool(args.checkpoint))
     if args.checkpoint:
         folder = resolve_checkpoint(args.checkpoint)
         model = apply_quant(load_pretrained(folder, dtype=dtype, device=device), args.quant, f"--checkpoint {folder}",
@@ -139,10 +153,10 @@ def apply_quant(model: nn.Module, quant: str | None, source: str, group_size: in
     """Quantise a loaded dense model for ``--quant`` (``gguf`` keeps a GGUF file's blocks, so it applies at load),
     in groups of ``group_size`` (None: the scheme's default)."""
     if quant is None:
-        if group_size is not None:
+        if group_size is not None and model.config.extra.get("quant"):
             raise ValueError(f"--group-size {group_size}: {source} is already quantised (seqlab quantize); drop "
-                             f"--group-size" if model.config.extra.get("quant") else
-                             f"--group-size {group_size}: only with --quant int8 or int4")
+                             f"--group-size")
+        check_quant_flags(quant, group_size, may_be_quantised=False)
         return model
     if model.config.extra.get("quant"):
         raise ValueError(f"--quant {quant}: {source} is already quantised (seqlab quantize); drop --quant")
