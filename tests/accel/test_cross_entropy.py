@@ -57,6 +57,26 @@ def test_loss_and_gradient_are_torchs(isa, dtype, vocab, threads):
     assert not x.grad[3, : vocab // 2].any()  # masked-out logits: exactly 0, as torch's
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_backwards_scaling_is_torchs_mul_bit_for_bit(isa, dtype, threads):
+    """The saved gradient times the loss's gradient: the same bits as ``mul_`` (bf16 widened, multiplied in fp32,
+    rounded to nearest even), over a length no chunk or vector width divides; what it does not take it leaves."""
+    kernel = FusedCrossEntropy({dtype: isa})
+    grad = (torch.randn(3, 70_001) * 3).to(dtype)
+    grad[0, :5] = torch.tensor([0.0, -0.0, float("inf"), float("nan"), 1e-30])
+    factor = torch.tensor(1 / 2731)
+    def bits(t: torch.Tensor) -> torch.Tensor:  # compared as bits: NaN == NaN, -0.0 != 0.0
+        return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+    expected = grad.clone().mul_(factor)
+    assert kernel.scale_(grad, factor)
+    assert torch.equal(bits(grad), bits(expected))
+    before = grad.clone()
+    assert not kernel.scale_(grad[:, ::2], factor) and not kernel.scale_(grad, factor.double())
+    assert not kernel.scale_(grad.to(torch.float16), factor) and torch.equal(bits(grad), bits(before))
+
+
 def test_strided_rows_and_the_objectives_route():
     """Rows of a wider tensor are read by their stride; a model carrying the kernel (a DDP wrapper's inner model
     too) hands it to the loss, and the CLM objective's loss and gradients match the plain model's."""
@@ -76,11 +96,16 @@ def test_strided_rows_and_the_objectives_route():
     plain, ours = tiny_model(), tiny_model()
     calls = []
 
-    def spy(logits, labels, grad):
-        calls.append(tuple(logits.shape))
-        return kernel(logits, labels, grad)
+    class Spy:  # the kernel, with its calls recorded: the forward's rows, then the backward's scaling
+        def __call__(self, logits, labels, grad):
+            calls.append(tuple(logits.shape))
+            return kernel(logits, labels, grad)
 
-    ours.cross_entropy_kernel = spy
+        def scale_(self, grad, factor):
+            calls.append(("scale", tuple(grad.shape)))
+            return kernel.scale_(grad, factor)
+
+    ours.cross_entropy_kernel = spy = Spy()
     wrapper = torch.nn.Module()
     wrapper.module = ours
     assert cross_entropy_kernel(wrapper) is spy and cross_entropy_kernel(plain) is None
@@ -89,7 +114,8 @@ def test_strided_rows_and_the_objectives_route():
     a, b = objective.loss(plain, batch), objective.loss(ours, batch)
     a.loss_sum.backward()
     b.loss_sum.backward()
-    assert calls == [(2 * batch["input_ids"].shape[1], TOK.vocab_size)] and a.n_targets == b.n_targets
+    rows = (2 * batch["input_ids"].shape[1], TOK.vocab_size)
+    assert calls == [rows, ("scale", rows)] and a.n_targets == b.n_targets
     torch.testing.assert_close(b.loss_sum, a.loss_sum, rtol=1e-5, atol=0)
     for (name, p), q in zip(plain.named_parameters(), ours.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -3,7 +3,8 @@
 Why: the logits are a step's largest tensor (2048 tokens x a 8192 vocabulary: 64 MiB in fp32), and the loss's torch
 route passes over them five to six times: widen bf16 logits into fp32, softmax, gather, scatter the -1s, round the
 gradient back to bf16, then scale it in the backward. The kernel reads each row from memory once and writes its
-gradient once, in the logits' dtype (timings: docs/acceleration.md, "Training's cross-entropy").
+gradient once, in the logits' dtype, and the backward scales it in one more pass (ATen's bf16 ``mul_`` took three
+times as long; timings: docs/acceleration.md, "Training's cross-entropy").
 
 The math stays in :func:`seqlab.objectives.loss.token_cross_entropy` (the same softmax-minus-one-hot gradient, formed
 in the forward pass); :func:`seqlab.accel.accelerate` puts a :class:`FusedCrossEntropy` on a model it accelerates
@@ -42,6 +43,8 @@ def _signatures(dll: ctypes.CDLL) -> None:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     dll.seqlab_cross_entropy.argtypes = [p, i64, i32, p, i64, i64, i64, p, p, i32]
     dll.seqlab_cross_entropy.restype = ctypes.c_int
+    dll.seqlab_scale_inplace.argtypes = [p, i32, i64, ctypes.c_float, i32]
+    dll.seqlab_scale_inplace.restype = None
 
 
 def available_isas() -> list[str]:
@@ -75,6 +78,18 @@ class FusedCrossEntropy:
         if rc != 0:
             raise RuntimeError("seqlab.accel: the cross-entropy kernel could not allocate its scratch")
         return nll
+
+    def scale_(self, grad: Tensor, factor: Tensor) -> bool:
+        """``grad.mul_(factor)`` for a gradient this kernel formed (the backward's pass over it), the same bits;
+        False, with ``grad`` untouched, where it does not take these tensors."""
+        isa = self.builds.get(grad.dtype)
+        if (isa is None or torch.compiler.is_compiling() or type(grad) is not Tensor or grad.device.type != "cpu"
+                or not grad.is_contiguous() or factor.numel() != 1 or factor.device.type != "cpu"
+                or factor.dtype != torch.float32):
+            return False
+        library(isa).seqlab_scale_inplace(grad.data_ptr(), _BF16[grad.dtype], grad.numel(), float(factor),
+                                          torch.get_num_threads())
+        return True
 
     def __repr__(self) -> str:
         return ", ".join(f"{dtype_name(dt)} on seqlab's kernel ({isa})" for dt, isa in self.builds.items())

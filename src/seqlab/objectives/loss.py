@@ -14,8 +14,8 @@ micro-batch (DDP averages gradients over ranks, hence the ``world_size``). The r
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,9 +27,16 @@ from seqlab.runtime.memory import ScratchPool
 __all__ = ["IGNORE_INDEX", "ObjectiveOutput", "token_cross_entropy", "sequence_logprobs", "count_bytes",
            "cross_entropy_kernel", "release_scratch"]
 
-# (logits [N, V], labels [N], grad [N, V] to fill with softmax - onehot) -> the [N] fp32 row losses, or None where
-# it does not take these tensors: a kernel installed from outside (seqlab.accel.cross_entropy)
-RowCrossEntropy = Callable[[Tensor, Tensor, Tensor], "Tensor | None"]
+
+class RowCrossEntropy(Protocol):
+    """A CE kernel installed from outside (``seqlab.accel.cross_entropy``) for :func:`token_cross_entropy`."""
+
+    def __call__(self, logits: Tensor, labels: Tensor, grad: Tensor) -> Tensor | None:
+        """(logits [N, V], labels [N], grad [N, V] to fill with softmax - onehot) -> the [N] fp32 row losses, or
+        None where it does not take these tensors."""
+
+    def scale_(self, grad: Tensor, factor: Tensor) -> bool:
+        """``grad.mul_(factor)`` (a gradient it formed), or False where it does not take these tensors."""
 
 
 @dataclass
@@ -127,7 +134,7 @@ class _CrossEntropySum(torch.autograd.Function):
             nll = kernel(logits, labels, grad)
             if nll is not None:  # the same gradient, formed in one pass per row
                 ctx.save_for_backward(grad)
-                ctx.used = False
+                ctx.used, ctx.kernel = False, kernel
                 return nll.sum()
             del grad
         valid = labels != IGNORE_INDEX
@@ -149,7 +156,7 @@ class _CrossEntropySum(torch.autograd.Function):
         if logits.dtype != grad.dtype:
             grad = _SCRATCH.take(grad.shape, logits.dtype).copy_(grad) if _pooled(logits) else grad.to(logits.dtype)
         ctx.save_for_backward(grad)
-        ctx.used = False
+        ctx.used, ctx.kernel = False, None
         return loss
 
     @staticmethod
@@ -161,7 +168,9 @@ class _CrossEntropySum(torch.autograd.Function):
                                "(retain_graph=True with a second backward is not supported)")
         ctx.used = True
         (grad,) = ctx.saved_tensors
-        return grad.mul_(grad_out), None, None
+        if ctx.kernel is None or not ctx.kernel.scale_(grad, grad_out):
+            grad.mul_(grad_out)
+        return grad, None, None
 
 
 def sequence_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
