@@ -60,21 +60,42 @@ def test_loss_and_gradient_are_torchs(isa, dtype, vocab, threads):
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_backwards_scaling_is_torchs_mul_bit_for_bit(isa, dtype, threads):
-    """The saved gradient times the loss's gradient: the same bits as ``mul_`` (bf16 widened, multiplied in fp32,
-    rounded to nearest even), over a length no chunk or vector width divides; what it does not take it leaves."""
+    """The saved gradient times the loss's gradient: the same bits as ``mul_`` for every non-NaN value (bf16
+    widened, multiplied in fp32, rounded to nearest even; subnormals kept), over a length no chunk or vector width
+    divides, and NaN where ``mul_`` gives NaN (torch's own NaN bits depend on its loop); what it does not take it
+    leaves, and a factor that requires grad under grad mode is left to autograd."""
     kernel = FusedCrossEntropy({dtype: isa})
     grad = (torch.randn(3, 70_001) * 3).to(dtype)
-    grad[0, :5] = torch.tensor([0.0, -0.0, float("inf"), float("nan"), 1e-30])
+    grad[0, :5] = torch.tensor([0.0, -0.0, float("inf"), 1e-30, 1e-39])
+    bf16 = dtype == torch.bfloat16
+    grad.view(torch.int16 if bf16 else torch.int32)[0, 5] = 0x7FC0 if bf16 else 0x7FC00000  # a bad row's NaN
     factor = torch.tensor(1 / 2731)
-    def bits(t: torch.Tensor) -> torch.Tensor:  # compared as bits: NaN == NaN, -0.0 != 0.0
+
+    def bits(t: torch.Tensor) -> torch.Tensor:  # compared as bits: -0.0 != 0.0
         return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
 
     expected = grad.clone().mul_(factor)
     assert kernel.scale_(grad, factor)
-    assert torch.equal(bits(grad), bits(expected))
+    nan = expected.isnan()
+    assert nan[0, 5] and torch.equal(grad.isnan(), nan) and torch.equal(bits(grad)[~nan], bits(expected)[~nan])
     before = grad.clone()
     assert not kernel.scale_(grad[:, ::2], factor) and not kernel.scale_(grad, factor.double())
-    assert not kernel.scale_(grad.to(torch.float16), factor) and torch.equal(bits(grad), bits(before))
+    assert not kernel.scale_(grad.to(torch.float16), factor)
+    assert not kernel.scale_(grad, factor.clone().requires_grad_())
+    assert torch.equal(bits(grad), bits(before))
+
+
+def test_a_kernel_without_scaling_gets_torchs_mul():
+    """A kernel is a callable first: one without ``scale_`` (a plain function) still trains, the backward's scaling
+    then by ``mul_``."""
+    kernel = FusedCrossEntropy({torch.float32: ISAS[0]})
+    logits, labels = torch.randn(6, 50), torch.randint(0, 50, (6,))
+    x = logits.clone().requires_grad_()
+    loss, _ = token_cross_entropy(x, labels, lambda a, b, g: kernel(a, b, g))
+    (loss * 0.25).backward()
+    ref_loss, ref_grad = _reference(logits, labels, 0.25)
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=2e-5, atol=0)
+    torch.testing.assert_close(x.grad.double(), ref_grad, rtol=0, atol=1e-6)
 
 
 def test_strided_rows_and_the_objectives_route():

@@ -141,8 +141,8 @@ int seqlab_cross_entropy(const void *logits, int64_t ld, int bf16, const int64_t
 
 /* The backward's one pass: the saved gradient (n values, fp32 or bf16 where `bf16`) times the loss's gradient
  * `scale`, in place. bf16 values are widened, multiplied in fp32 and rounded to nearest even, as torch's mul_ by
- * an fp32 scalar does, so the result is the same bits; ATen's bf16 loop converts lane by lane and took about three
- * times as long. */
+ * an fp32 scalar does, so every non-NaN result is the same bits (a NaN stays a NaN; torch's own NaN bits depend on
+ * its vector or scalar loop); ATen's bf16 loop converts lane by lane and took about three times as long. */
 void seqlab_scale_inplace(void *g, int bf16, int64_t n, float scale, int nthreads) {
     const int64_t chunk = 1 << 16;
 #pragma omp parallel for num_threads(nthreads) schedule(static)

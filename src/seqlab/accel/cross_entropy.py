@@ -80,12 +80,13 @@ class FusedCrossEntropy:
         return nll
 
     def scale_(self, grad: Tensor, factor: Tensor) -> bool:
-        """``grad.mul_(factor)`` for a gradient this kernel formed (the backward's pass over it), the same bits;
-        False, with ``grad`` untouched, where it does not take these tensors."""
+        """``grad.mul_(factor)`` for a gradient this kernel formed (the backward's pass over it), the same bits for
+        every non-NaN value; False, with ``grad`` untouched, where it does not take these tensors, or where autograd
+        should record the product (``create_graph`` with a factor that requires grad)."""
         isa = self.builds.get(grad.dtype)
         if (isa is None or torch.compiler.is_compiling() or type(grad) is not Tensor or grad.device.type != "cpu"
                 or not grad.is_contiguous() or factor.numel() != 1 or factor.device.type != "cpu"
-                or factor.dtype != torch.float32):
+                or factor.dtype != torch.float32 or (factor.requires_grad and torch.is_grad_enabled())):
             return False
         library(isa).seqlab_scale_inplace(grad.data_ptr(), _BF16[grad.dtype], grad.numel(), float(factor),
                                           torch.get_num_threads())

@@ -1,11 +1,12 @@
-"""The model flags ``seqlab generate`` and ``seqlab chat`` share, spelled and loaded once.
+"""The model flags ``seqlab generate``, ``chat``, ``perplexity`` and ``serve`` share (``info`` the quantisation
+ones), spelled and loaded once.
 
     --checkpoint DIR   a seqlab model folder, a training checkpoint, or a run directory (its latest checkpoint)
     --gguf PATH        a llama.cpp GGUF file (weights, tokenizer and chat template inside)
     --model HFDIR      a Hugging Face folder (config.json + model.safetensors + tokenizer.json)
     --dtype auto|fp32|bf16  (float32 / bfloat16 accepted too)     --device cpu|cuda[:N]
 
-Whatever the source, the result is ``(model, tokenizer, source)`` with the one seqlab Tokenizer, so the two
+Whatever the source, the result is ``(model, tokenizer, source)`` with the one seqlab Tokenizer, so the
 commands differ only in what they do with the model.
 """
 
@@ -62,7 +63,7 @@ def add_quant_flags(p: argparse.ArgumentParser) -> None:
 
 def check_quant_flags(quant: str | None, group_size: int | None, may_be_quantised: bool) -> None:
     """Refuse a ``--group-size`` the flags alone rule out, before the (slow) load. ``may_be_quantised``: the source
-    is a seqlab folder, which may hold a quantised model (``apply_quant`` then decides, after the load)."""
+    is a folder, which may hold a model `seqlab quantize` wrote (``apply_quant`` then decides, after the load)."""
     if group_size is None:
         return
     if quant == "gguf":

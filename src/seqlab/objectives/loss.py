@@ -36,7 +36,8 @@ class RowCrossEntropy(Protocol):
         None where it does not take these tensors."""
 
     def scale_(self, grad: Tensor, factor: Tensor) -> bool:
-        """``grad.mul_(factor)`` (a gradient it formed), or False where it does not take these tensors."""
+        """``grad.mul_(factor)`` (a gradient it formed), or False where it does not take these tensors. Optional:
+        without it the backward runs ``mul_``."""
 
 
 @dataclass
@@ -168,7 +169,8 @@ class _CrossEntropySum(torch.autograd.Function):
                                "(retain_graph=True with a second backward is not supported)")
         ctx.used = True
         (grad,) = ctx.saved_tensors
-        if ctx.kernel is None or not ctx.kernel.scale_(grad, grad_out):
+        scale = getattr(ctx.kernel, "scale_", None)  # a kernel that forms the gradient may scale it too
+        if scale is None or not scale(grad, grad_out):
             grad.mul_(grad_out)
         return grad, None, None
 
