@@ -29,15 +29,13 @@ __all__ = ["IGNORE_INDEX", "ObjectiveOutput", "token_cross_entropy", "sequence_l
 
 
 class RowCrossEntropy(Protocol):
-    """A CE kernel installed from outside (``seqlab.accel.cross_entropy``) for :func:`token_cross_entropy`."""
+    """A CE kernel installed from outside (``seqlab.accel.cross_entropy``) for :func:`token_cross_entropy`. It may
+    also have ``scale_(grad, factor) -> bool``: ``grad.mul_(factor)`` on a gradient it formed (the backward's pass),
+    False where it does not take the tensors; without one the backward runs ``mul_``."""
 
     def __call__(self, logits: Tensor, labels: Tensor, grad: Tensor) -> Tensor | None:
         """(logits [N, V], labels [N], grad [N, V] to fill with softmax - onehot) -> the [N] fp32 row losses, or
         None where it does not take these tensors."""
-
-    def scale_(self, grad: Tensor, factor: Tensor) -> bool:
-        """``grad.mul_(factor)`` (a gradient it formed), or False where it does not take these tensors. Optional:
-        without it the backward runs ``mul_``."""
 
 
 @dataclass
