@@ -292,7 +292,7 @@ def test_info_prints_the_chosen_routes_and_timings(tmp_path, capsys):
     save_pretrained(tiny_model(), tmp_path / "m")
     assert main(["info", str(tmp_path / "m")]) == 0
     out = capsys.readouterr().out
-    assert "accel for decode (1 rows/product): dtype fp32" in out
+    assert "accel for decode (1 row/product): dtype fp32" in out
     assert "dense" in out and " us" in out  # every shape with its route and the measured time of each route
     assert "whole decode step: plain" in out  # the fused step's check, with its timings and verdict
 

@@ -15,7 +15,7 @@ from seqlab.cli import main
 from seqlab.config import ModelConfig
 from seqlab.data import Tokenizer
 from seqlab.generate import generate
-from seqlab.io import load_gguf, save_pretrained
+from seqlab.io import load_gguf, load_pretrained, save_pretrained
 from seqlab.model import build_model
 from tests.real_models.tiny_gguf import write_tiny_llama
 
@@ -83,7 +83,7 @@ def test_info_quantises_as_generate_would(tiny_gguf, tmp_path, capsys):
     capsys.readouterr()
     assert main(["info", str(tmp_path / "q0")]) == 0
     assert on_the_fly == layout(capsys.readouterr().out)
-    assert ["int8", "g0"] in [row[:2] for row in on_the_fly]  # the head keeps int8 in groups of 32, as quantize's
+    assert ["int8", "per-channel"] in [row[:2] for row in on_the_fly]  # the head keeps groups of 32, as quantize's
     assert main(["info", str(tiny_gguf)]) == 0
     assert "quantised products" not in capsys.readouterr().out  # dense without --quant, as before
     assert main(["info", str(tiny_gguf), "--group-size", "32"]) == 2
@@ -92,6 +92,16 @@ def test_info_quantises_as_generate_would(tiny_gguf, tmp_path, capsys):
     capsys.readouterr()
     assert main(["info", str(tmp_path / "q"), "--quant", "int4"]) == 2
     assert "already quantised (seqlab quantize); drop --quant" in capsys.readouterr().err
+
+
+def test_quantize_int4_of_a_gguf_file_keeps_its_blocks_as_quant_int4_does(tiny_gguf, tmp_path, capsys):
+    # `seqlab quantize --gguf FILE --bits 4` wrote groups of 64 where `--quant int4` on the same file runs 32 (the
+    # file's own Q4 blocks): `info` on the folder and on the file with --quant int4 now show the same layers
+    assert main(["quantize", "--gguf", str(tiny_gguf), "--bits", "4", "--out", str(tmp_path / "q4")]) == 0
+    assert "int4 in groups of 32" in capsys.readouterr().err
+    layers = load_pretrained(tmp_path / "q4").config.extra["quant"]["layers"]
+    dense, _ = load_gguf(tiny_gguf, quant="int4")
+    assert layers == dense.config.extra["quant"]["layers"]
 
 
 def test_info_counts_quantised_weights_and_describes_an_encoder(tiny_gguf, tmp_path, capsys):
@@ -108,7 +118,12 @@ def test_info_counts_quantised_weights_and_describes_an_encoder(tiny_gguf, tmp_p
     assert lines and all(re.search(r"1 row: (\w+) \(.*\1 [\d.]+ [um]s.*\); 256 rows: (\w+) \(.*\2 [\d.]+ [um]s", line)
                          for line in lines), out
     assert "all products" not in out  # no plain product left to route: no line about them
+    # the config's per-layer schemes (one JSON entry per layer) in one line, as `seqlab quantize` prints them
+    assert '"layers": "' in out and '"stack.blocks.0.attn.qkv"' not in out and "in groups of 32" in out
     encoder = build_model(ModelConfig(arch="encoder", vocab_size=50, d_model=32, n_layers=1, n_heads=2))
     save_pretrained(encoder, tmp_path / "bert")
     assert main(["info", str(tmp_path / "bert")]) == 0
     assert f"parameters: {encoder.num_parameters():,}   (encoder: no KV cache" in capsys.readouterr().out
+    assert main(["info", str(tmp_path / "bert"), "--quant", "int8"]) == 0  # no decode routes, but its products'
+    out = capsys.readouterr().out
+    assert "(encoder: no KV cache" in out and "quantised products (" in out and "    int8 g32" in out

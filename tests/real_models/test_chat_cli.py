@@ -95,4 +95,4 @@ def test_info_reads_a_gguf_file(tiny_path, capsys):
     assert main(["info", str(tiny_path)]) == 0
     out = capsys.readouterr().out
     assert '"arch": "decoder"' in out and "parameters: " in out
-    assert "accel for decode (1 rows/product)" in out
+    assert "accel for decode (1 row/product)" in out

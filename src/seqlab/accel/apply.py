@@ -120,7 +120,7 @@ class AccelPlan:
         where = f"cached in {self.cache_file}" if self.cache_file else "not cached"
         timed = (f"calibrated in {self.calibration_s:.1f} s, {where}" if self.calibration_s or not self.cache_file
                  else f"timings from {self.cache_file} (delete it to measure again)")
-        lines = [f"accel for {self.for_} ({self.rows} rows/product): dtype {self.dtype}; {timed}"]
+        lines = [f"accel for {self.for_} ({self.rows} row{'s' if self.rows != 1 else ''}/product): dtype {self.dtype}; {timed}"]
         for dt, total in self.dtype_totals_s.items():
             if not self.shapes.get(dt):  # no nn.Linear left to route (a quantised model: seqlab.quant times its own)
                 continue

@@ -4,12 +4,14 @@ chose for it on this machine (measured on first use, cached)."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from seqlab.accel import accelerate
 from seqlab.cli.model_args import add_quant_flags, apply_quant, check_quant_flags
 from seqlab.io import load_gguf, load_pretrained
 from seqlab.quant import QuantLinear, routes
+from seqlab.quant.convert import describe_layout
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -34,15 +36,15 @@ def run(args: argparse.Namespace) -> int:
         model = load_gguf(path, with_tokenizer=False)[0] if gguf else load_pretrained(args.path)
         model = apply_quant(model, args.quant, str(path), args.group_size)
     cfg = model.config
-    print(cfg.to_json())
+    print(config_json(cfg))
     if cfg.arch == "encoder":  # no decode loop, hence no cache and no decode routes
         print(f"parameters: {parameter_count(model):,}   ({cfg.arch}: no KV cache, no decode routes)")
-        return 0
-    cached_layers = cfg.n_decoder_layers if cfg.arch == "encoder_decoder" else cfg.n_layers  # self-attention's K/V
-    per_token = 2 * cached_layers * cfg.n_kv_heads * cfg.head_dim * 4
-    print(f"parameters: {parameter_count(model):,}   kv-cache: {per_token:,} bytes/token (fp32)")
-    # what `seqlab generate`/`chat` would run here by default: routes, fused decode step, bf16 prefill, with timings
-    print(accelerate(model, "decode", rows=1, dtype="auto").accel_plan.summary())
+    else:
+        cached_layers = cfg.n_decoder_layers if cfg.arch == "encoder_decoder" else cfg.n_layers  # self-attention's
+        per_token = 2 * cached_layers * cfg.n_kv_heads * cfg.head_dim * 4
+        print(f"parameters: {parameter_count(model):,}   kv-cache: {per_token:,} bytes/token (fp32)")
+        # what `seqlab generate`/`chat` would run here by default: routes, fused decode step, bf16 prefill, timings
+        print(accelerate(model, "decode", rows=1, dtype="auto").accel_plan.summary())
     quantised = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if quantised:  # their products' routes are seqlab.quant's, chosen per shape and row count
         print(f"quantised products ({len(quantised)} layers; each shape's route at a decode step's one row and a "
@@ -50,6 +52,16 @@ def run(args: argparse.Namespace) -> int:
               f"`dequant` multiplies in bf16):")
         print("\n".join(routes.describe(quantised)))
     return 0
+
+
+def config_json(cfg) -> str:
+    """The ModelConfig as JSON, a quantised model's per-layer schemes (one entry per layer: hundreds of lines) told
+    in one line, as `seqlab quantize` prints them; config.json keeps them all."""
+    data = cfg.to_dict()
+    layers = data.get("extra", {}).get("quant", {}).get("layers")
+    if isinstance(layers, dict):
+        data["extra"]["quant"]["layers"] = f"{describe_layout(layers)}; each layer's entry in config.json"
+    return json.dumps(data, indent=2, sort_keys=True)
 
 
 def parameter_count(model) -> int:

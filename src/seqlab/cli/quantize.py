@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from seqlab.io import load_gguf, load_pretrained
+from seqlab.io.gguf import GGUF_INT4_GROUP_SIZE
 from seqlab.quant import quantize
 from seqlab.quant.checkpoint import save_quantized
 from seqlab.quant.convert import describe_layout
@@ -24,7 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--checkpoint", metavar="DIR", help="seqlab or Hugging Face model folder")
     p.add_argument("--bits", type=int, required=True, help="8 or 4")
     p.add_argument("--group-size", type=int, default=None,
-                   help="int4: 32, 64 (default) or 128; int8: 32 (default; per channel where 32 does not divide a layer), 0 = per channel, 64 or 128")
+                   help="int4: 32, 64 (default; 32 for --gguf, the file's own Q4 block, as `generate --quant int4`) "
+                        "or 128; int8: 32 (default; per channel where 32 does not divide a layer), 0 = per channel, "
+                        "64 or 128")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=run)
@@ -44,7 +47,10 @@ def run(args: argparse.Namespace) -> int:
         model, tokenizer = load_pretrained(args.checkpoint), None
         if model.config.extra.get("quant"):
             raise ValueError(f"--checkpoint {args.checkpoint}: already quantised; quantise the dense model")
-    model = quantize(model, bits=args.bits, group_size=args.group_size)
+    group_size = args.group_size
+    if group_size is None and args.gguf and args.bits == 4:
+        group_size = GGUF_INT4_GROUP_SIZE  # as `--quant int4` on the same file
+    model = quantize(model, bits=args.bits, group_size=group_size)
     save_quantized(model, out)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)

@@ -39,6 +39,10 @@ from seqlab.quant import quantize
 from seqlab.quant.gguf_map import build_with_layers, map_gguf_layers, placeholder
 from seqlab.runtime import progress
 
+# int4 from a GGUF file keeps the file's own 32-wide Q4 blocks by default: re-gridding Q4 weights into wider groups
+# costs real perplexity (docs/quantization.md)
+GGUF_INT4_GROUP_SIZE = 32
+
 __all__ = [
     "GGUFError",
     "GGUFFile",
@@ -117,8 +121,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devic
     load_state_into(model, state, str(f.path))
     model = model.to(device=device).eval()
     if quant in ("int8", "int4"):
-        # int4 keeps the file's own 32-wide blocks: re-gridding Q4 weights into wider groups costs real perplexity
-        model = quantize(model, bits=int(quant[3:]), group_size=32 if quant == "int4" else None)
+        model = quantize(model, bits=int(quant[3:]), group_size=GGUF_INT4_GROUP_SIZE if quant == "int4" else None)
     return model, tokenizer
 
 

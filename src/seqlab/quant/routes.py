@@ -183,14 +183,20 @@ def describe(layers: Iterable, rows: tuple[int, ...] = (1, 256)) -> list[str]:
         for r in rows:
             name = choose_route(same[0], r)
             timings = _TIMINGS.get(key_for(same[0], r))  # none where set_route pinned the route
-            times = ", ".join(f"{route} {_duration(s)}" for route, s in timings.items()) if timings else "pinned"
+            unit = _unit(max(timings.values())) if timings else None  # one unit per comparison: 9389 us < 10.1 ms
+            times = ", ".join(f"{route} {_duration(s, unit)}" for route, s in timings.items()) if timings else "pinned"
             parts.append(f"{r} row{'s' if r > 1 else ''}: {name} ({times})")
-        lines.append(f"    int{bits} g{group} {k:>6d} -> {n:<6d} x{len(same):<3d} " + "; ".join(parts))
+        scheme = f"int{bits} " + (f"g{group}" if group else "per-channel")  # group 0: one scale per output channel
+        lines.append(f"    {scheme:<16} {k:>6d} -> {n:<6d} x{len(same):<3d} " + "; ".join(parts))
     return lines
 
 
-def _duration(seconds: float) -> str:
-    return f"{seconds * 1e3:.1f} ms" if seconds >= 0.01 else f"{seconds * 1e6:.0f} us"
+def _unit(seconds: float) -> str:
+    return "ms" if seconds >= 0.01 else "us"
+
+
+def _duration(seconds: float, unit: str) -> str:
+    return f"{seconds * 1e3:.1f} ms" if unit == "ms" else f"{seconds * 1e6:.0f} us"
 
 
 def _addresses(buffers: dict) -> tuple[int, int, int]:
