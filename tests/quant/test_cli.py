@@ -27,9 +27,11 @@ def test_quantize_load_generate_perplexity(tmp_path):
     assert float(cos) > 0.95  # int4 of the same weights, not another model
 
     proc = run_seqlab(["generate", "--checkpoint", "q4", "--prompt", "the", "--max-new-tokens", "4",
-                       "--temperature", "0", "--json", "g.json"], cwd=tmp_path)
+                       "--temperature", "0", "--json", "g.json", "--metrics"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert json.loads((tmp_path / "g.json").read_text())
+    layout = "int4 in groups of 32"  # which weights ran, in the metrics and the JSON (as perplexity says)
+    assert layout in json.loads((tmp_path / "g.json").read_text())["quant_layers"]
+    assert "weights: " in proc.stderr and layout in proc.stderr
 
     (tmp_path / "t.txt").write_text("the other then the end, in the hall\n" * 3)
     proc = run_seqlab(["perplexity", "--checkpoint", "q4", "--file", "t.txt", "--window", "16", "--json", "p.json"],
