@@ -288,6 +288,20 @@ def test_probe_use_keys_name_every_dimension():
     assert DenseRoute().convert(nn.Linear(2, 2), Use("decode", 1, torch.float32)) is not None
 
 
+def test_summary_says_why_a_slightly_faster_route_is_not_taken():
+    """A route within the margin of the plain product leaves the plain one (``calibrate.fastest``); the summary
+    says so instead of listing a kept route slower than another."""
+    plan = accel_apply.AccelPlan("decode", 1, "fp32", shapes={"fp32": [
+        accel_apply.ShapeChoice(576, 49152, 1, "dense", {"dense": 4029e-6, "onednn-packed": 3873e-6}),
+        accel_apply.ShapeChoice(576, 960, 30, "dense", {"dense": 22e-6, "onednn-packed": 35e-6}),
+        accel_apply.ShapeChoice(576, 3072, 30, "onednn-packed", {"dense": 185e-6, "onednn-packed": 148e-6})]},
+        dtype_totals_s={"fp32": 0.01})
+    lines = plan.summary().splitlines()
+    assert calibrate.fastest(plan.shapes["fp32"][0].timings_s) == "dense"
+    assert lines[2].endswith("onednn-packed 3873 us; within the 5% margin)")
+    assert "margin" not in lines[3] and "margin" not in lines[4]
+
+
 def test_info_prints_the_chosen_routes_and_timings(tmp_path, capsys):
     save_pretrained(tiny_model(), tmp_path / "m")
     assert main(["info", str(tmp_path / "m")]) == 0

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from seqlab.accel.calibrate import (cache_path, count_measuring, dtype_name, fastest, load_cache, measured,
+from seqlab.accel.calibrate import (MIN_GAIN, cache_path, count_measuring, dtype_name, fastest, load_cache, measured,
                                     measuring_time, shape_key, store_cache, time_routes)
 from seqlab.accel.cross_entropy import choose_cross_entropy
 from seqlab.accel.fused_gelu import choose_gelu
@@ -120,14 +120,19 @@ class AccelPlan:
         where = f"cached in {self.cache_file}" if self.cache_file else "not cached"
         timed = (f"calibrated in {self.calibration_s:.1f} s, {where}" if self.calibration_s or not self.cache_file
                  else f"timings from {self.cache_file} (delete it to measure again)")
-        lines = [f"accel for {self.for_} ({self.rows} row{'s' if self.rows != 1 else ''}/product): dtype {self.dtype}; {timed}"]
+        rows = f"{self.rows} row{'s' if self.rows != 1 else ''}/product"
+        lines = [f"accel for {self.for_} ({rows}): dtype {self.dtype}; {timed}"]
         for dt, total in self.dtype_totals_s.items():
             if not self.shapes.get(dt):  # no nn.Linear left to route (a quantised model: seqlab.quant times its own)
                 continue
             lines.append(f"  {dt}: all products {total * 1e3:.3f} ms")
             for c in self.shapes.get(dt, []):
                 times = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in c.timings_s.items())
-                lines.append(f"    {c.in_features:>6d} -> {c.out_features:<6d} x{c.count:<3d} {c.route:<20s} ({times})")
+                kept = c.timings_s.get(c.route)  # a route must win by MIN_GAIN: a closer one leaves the plain one
+                margin = (f"; within the {MIN_GAIN:.0%} margin" if kept is not None and c.route == "dense"
+                          and min(c.timings_s.values()) < kept else "")
+                lines.append(f"    {c.in_features:>6d} -> {c.out_features:<6d} x{c.count:<3d} {c.route:<20s} "
+                             f"({times}{margin})")
         if self.huge_page_bytes:
             lines.append(f"  weights on 2 MiB pages: {self.huge_page_bytes / 2**20:.0f} MiB")
         if self.act_s:
