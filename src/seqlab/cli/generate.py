@@ -19,7 +19,7 @@ from seqlab.generate import GenerationConfig, generate_output, stream
 from seqlab.generate.chat import turn_end_ids
 from seqlab.generate.engine import is_encoder_decoder
 from seqlab.io import load_pretrained
-from seqlab.quant.convert import describe_layout
+from seqlab.quant.convert import model_layout
 from seqlab.runtime import atomic_write_text
 from seqlab.runtime.files import check_readable_file
 from seqlab.runtime.memory import keep_freed_blocks
@@ -204,8 +204,7 @@ def run(args: argparse.Namespace) -> int:
             texts.append(text.strip() if alone else text)
             print(shown if len(prompts) == 1 else f"[{i}] {shown}")
     m = out.metrics
-    stored = model.config.extra.get("quant")  # a quantised model (a `seqlab quantize` folder or --quant): its schemes
-    layers = describe_layout(stored["layers"]) if stored else None
+    layers = model_layout(model)  # which quantised weights ran (None: dense)
     if args.metrics:
         print(m.summary() + (f"\nweights: {layers}" if layers else ""), file=sys.stderr)
     if args.json:

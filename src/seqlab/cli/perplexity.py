@@ -7,7 +7,7 @@ import json
 from seqlab.cli.model_args import add_model_source, load_model
 from seqlab.data.corpus import load_corpus
 from seqlab.eval.perplexity import score_text
-from seqlab.quant.convert import describe_layout
+from seqlab.quant.convert import model_layout
 from seqlab.runtime import atomic_write_text
 from seqlab.runtime.files import check_readable_file, check_writable_file
 
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     score = score_text(model, tok, text, args.window, args.stride)
     stored = model.config.extra.get("quant")  # a quantised checkpoint: the bits it was saved with
     quant = "int%d" % next(iter(stored["layers"].values()))["bits"] if stored else args.quant
-    layers = describe_layout(stored["layers"]) if stored else None  # the group sizes too: g32 and g64 differ
+    layers = model_layout(model)  # the group sizes too: g32 and g64 differ
     result = {"perplexity": score.perplexity, "bits_per_byte": score.bits_per_byte, "tokens": score.tokens,
               "bytes": score.bytes, "quant": quant, "window": score.window, "stride": score.stride,
               **({"quant_layers": layers} if layers else {})}

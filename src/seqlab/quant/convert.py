@@ -120,6 +120,13 @@ def describe_layout(layers: dict[str, dict]) -> str:
     return ", ".join(parts)
 
 
+def model_layout(model: nn.Module) -> str | None:
+    """:func:`describe_layout` of the layout a quantised model recorded (a `seqlab quantize` folder, or quantised on
+    load); None for a dense model."""
+    stored = model.config.extra.get("quant")
+    return describe_layout(stored["layers"]) if stored else None
+
+
 def record_layout(model: nn.Module, layers: dict[str, dict], tied: dict[str, list[str]]) -> None:
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "extra"):
