@@ -24,6 +24,9 @@ from seqlab.accel.cross_entropy import choose_cross_entropy
 from seqlab.accel.fused_gelu import choose_gelu
 from seqlab.accel.fused_gelu import install as install_gelu
 from seqlab.accel.fused_gelu import uninstall as uninstall_gelu
+from seqlab.accel.fused_layer_norm import choose_layer_norm
+from seqlab.accel.fused_layer_norm import install as install_norm
+from seqlab.accel.fused_layer_norm import uninstall as uninstall_norm
 from seqlab.accel.pointwise import choose_pointwise
 from seqlab.accel.pointwise import install as install_pointwise
 from seqlab.accel.pointwise import uninstall as uninstall_pointwise
@@ -99,6 +102,10 @@ class AccelPlan:
     # training: the MLP activation (seqlab.accel.fused_gelu), seconds per forward + backward of each candidate
     act_s: dict[str, float] = field(default_factory=dict)
     act: str = ""  # the one installed ("" when torch's stays)
+    # training: a pre-norm block's LayerNorms (seqlab.accel.fused_layer_norm), seconds per forward + backward
+    # ("fp32 torch", "bf16 avx512", ...), and what runs ("" when torch's stays)
+    norm_s: dict[str, float] = field(default_factory=dict)
+    norm: str = ""
     # training: the causal self-attention (seqlab.accel.train_attention), seconds per layer's forward + backward
     # ("fp32 sdpa", "fp32 avx2", ...), and what runs ("" when SDPA stays)
     train_attention_s: dict[str, float] = field(default_factory=dict)
@@ -138,6 +145,9 @@ class AccelPlan:
         if self.act_s:
             times = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.act_s.items())
             lines.append(f"  MLP activation (forward + backward): {times}; {self.act or 'torch'} runs")
+        if self.norm_s:
+            times = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.norm_s.items())
+            lines.append(f"  block LayerNorm (forward + backward): {times}; {self.norm or 'torch'} runs")
         if self.train_attention_s:
             times = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.train_attention_s.items())
             lines.append(f"  causal attention (one layer, forward + backward): {times}; "
@@ -241,6 +251,7 @@ def restore_plain(model: nn.Module) -> nn.Module:
     prefill routes, fused step and plan removed."""
     _restore_plain_layers(model)
     uninstall_gelu(model)
+    uninstall_norm(model)
     uninstall_pointwise(model)
     uninstall_attention(model)
     uninstall_routing(model)
@@ -364,6 +375,10 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
             plan.act = repr(act)
         length = min(seq_len or cfg.max_seq_len, plan.rows)  # a step is rows // length sequences of length tokens
         dtypes = (torch.float32, torch.bfloat16) if native_bf16() else (torch.float32,)  # autocast may run bf16
+        norm, plan.norm_s = choose_layer_norm(model, plan.rows, dtypes, use_cache)
+        if norm is not None:
+            install_norm(model, norm)
+            plan.norm = repr(norm)
         attend, plan.train_attention_s = choose_train_attention(model, plan.rows // length, length, dtypes, use_cache)
         if attend is not None:
             install_train_attention(model, attend)

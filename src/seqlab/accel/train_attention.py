@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from seqlab.accel import attention_amx
 from seqlab.accel.calibrate import best_of_rounds, cached_timings, dtype_name, fastest
 from seqlab.accel.prefill_attention import HEAD_DIM_MULTIPLE, SIMD, TILES, causal_attention, takes
 from seqlab.accel.prefill_attention import SOURCE as FORWARD_SOURCE
@@ -120,7 +121,8 @@ def causal_attention_trained(q: Tensor, k: Tensor, v: Tensor, scale: float | Non
 
 class TrainAttention:
     """SDPA's signature; the calls :func:`trainable` takes run forward and backward on the build chosen for their
-    dtype (``builds``: dtype -> "avx2" or "avx512"; a dtype not in it stays on SDPA)."""
+    dtype (``builds``: dtype -> "avx2", "avx512" or, for bf16, "amx" (``attention_amx``); a dtype not in it stays
+    on SDPA)."""
 
     def __init__(self, builds: dict[torch.dtype, str]):
         self.builds = dict(builds)
@@ -132,7 +134,10 @@ class TrainAttention:
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
         isa = self.builds.get(dtype)
         if isa is not None and trainable(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
-            return causal_attention_trained(query, key, value, scale, isa, dtype)
+            if isa != attention_amx.ISA:
+                return causal_attention_trained(query, key, value, scale, isa, dtype)
+            if attention_amx.takes(query, key, value):
+                return attention_amx.causal_attention_amx(query, key, value, scale)
         return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
@@ -173,13 +178,15 @@ def choose_train_attention(model: nn.Module, batch: int, length: int,
     isas = available_isas() if cfg.head_dim % HEAD_DIM_MULTIPLE == 0 else []
     if not isas:
         return None, {}
+    amx = attention_amx.available() and length <= attention_amx.MAX_LEN
     batch = max(1, min(batch, MAX_TIMED_TOKENS // length))
     shape = f"{cfg.n_heads}x{cfg.n_kv_heads}x{cfg.head_dim}|B={batch}|T={length}"
-    sources = native.source_key([SOURCE, FORWARD_SOURCE, SIMD, TILES, Path(__file__)])
+    sources = native.source_key([SOURCE, FORWARD_SOURCE, SIMD, TILES, attention_amx.SOURCE, Path(__file__)])
     builds, all_timings = {}, {}
     for dtype in dtypes:
-        key = f"train-attention|{shape}|{dtype_name(dtype)}|{'+'.join(isas)}|{sources}"
-        candidates = {isa: TrainAttention({dtype: isa}) for isa in isas}
+        builds_here = [*isas, attention_amx.ISA] if amx and dtype == torch.bfloat16 else isas
+        key = f"train-attention|{shape}|{dtype_name(dtype)}|{'+'.join(builds_here)}|{sources}"
+        candidates = {isa: TrainAttention({dtype: isa}) for isa in builds_here}
         timings = cached_timings(key, lambda: time_train_attention(
             cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, batch, length, dtype,
             {"sdpa": F.scaled_dot_product_attention, **candidates}), use_cache)

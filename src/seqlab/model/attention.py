@@ -74,7 +74,7 @@ class SelfAttention(nn.Module):
             qk = torch.cat((self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])), dim=2)
         if inputs.rope is not None:  # one rotation for queries and keys together
             qk = self.rotate(qk, *inputs.rope)
-        q, k = qk[:, :, :H].transpose(1, 2), qk[:, :, H:].transpose(1, 2)
+        q, k = (t.transpose(1, 2) for t in qk.split((H, Hkv), dim=2))  # one split: its backward is one cat
         v = v.view(B, T, Hkv, D).transpose(1, 2)
         if inputs.cache is not None:
             k, v = inputs.cache.update(layer, k, v)

@@ -34,11 +34,22 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
 
 
+class LayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameters, same state dict) whose function is an attribute, as RMSNorm's is."""
+
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__(dim, eps=eps)
+        self.normalize = F.layer_norm  # F.layer_norm's signature; seqlab.accel may put a one-pass kernel here
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.normalize(x, self.normalized_shape, self.weight, self.bias, self.eps)
+
+
 def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
     dim = dim or cfg.d_model
     if cfg.norm == "rmsnorm":
         return RMSNorm(dim, cfg.norm_eps)
-    return nn.LayerNorm(dim, eps=cfg.norm_eps)
+    return LayerNorm(dim, eps=cfg.norm_eps)
 
 
 def activation_fn(name: str):

@@ -22,8 +22,11 @@ from seqlab.runtime.cpu import current_signature
 from seqlab.runtime.files import atomic_path, cache_root
 
 BASE_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
-ISA_FLAGS = {"avx2": (), "avx512": ("-mavx512f", "-mavx512bw")}
-_ISA_CPU_FLAGS = {"avx2": ("avx2", "fma"), "avx512": ("avx2", "fma", "avx512f", "avx512bw")}
+ISA_FLAGS = {"avx2": (), "avx512": ("-mavx512f", "-mavx512bw"),
+             "amx": ("-mavx512f", "-mavx512bw", "-mavx512bf16", "-mamx-tile", "-mamx-bf16")}
+VECTOR_ISAS = ("avx2", "avx512")  # the builds of the vector kernels; "amx" is the tile kernels' own
+_ISA_CPU_FLAGS = {"avx2": ("avx2", "fma"), "avx512": ("avx2", "fma", "avx512f", "avx512bw"),
+                  "amx": ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")}
 # an ISA cap (as on an AVX2-only machine, or set by a user) keeps the wider build out
 _CAPS_BELOW_512 = {"ATEN_CPU_CAPABILITY": ("default", "avx2"), "ONEDNN_MAX_CPU_ISA": ("SSE41", "AVX", "AVX2"),
                    "MKL_ENABLE_INSTRUCTIONS": ("SSE4_2", "AVX", "AVX2")}
@@ -38,10 +41,13 @@ def isa_allowed(isa: str) -> str | None:
     missing = [f for f in _ISA_CPU_FLAGS[isa] if f not in cpu_flags()]
     if missing:
         return f"the CPU has no {' + '.join(missing)}"
-    if isa == "avx512":
+    if isa in ("avx512", "amx"):
         for var, below in _CAPS_BELOW_512.items():
             if os.environ.get(var, "").upper() in {b.upper() for b in below}:
                 return f"{var}={os.environ[var]} caps the ISA below AVX-512"
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if isa == "amx" and cap and "AMX" not in cap and cap not in ("ALL", "DEFAULT"):
+        return f"ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']} caps the ISA below AMX"
     return None
 
 
@@ -105,6 +111,6 @@ def optional_library(name: str, source: Path, isa: str, includes: Sequence[Path]
     return _OPTIONAL[(name, isa)]
 
 
-def runnable_isas(library: Callable[[str], object]) -> list[str]:
-    """The builds (``"avx2"``, ``"avx512"``) this CPU may run, under the ISA caps in force, that ``library`` has."""
-    return [isa for isa in ISA_FLAGS if isa_allowed(isa) is None and library(isa) is not None]
+def runnable_isas(library: Callable[[str], object], isas: Sequence[str] = VECTOR_ISAS) -> list[str]:
+    """The builds among ``isas`` this CPU may run, under the ISA caps in force, that ``library`` has."""
+    return [isa for isa in isas if isa_allowed(isa) is None and library(isa) is not None]
