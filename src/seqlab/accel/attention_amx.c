@@ -174,13 +174,23 @@ int seqlab_amx_attention(const AmxAttention *a, int nthreads) {
                 float *lse = a->lse + (b * H + h) * T;
                 for (int64_t ib = 0; ib * TR < T; ib++) {
                     const int64_t i0 = ib * TR, rows = T - i0 < TR ? T - i0 : TR, kend = up(i0 + TR, TK);
+                    if (D == 2 * TK) { /* the block's queries stay in two tiles across the key blocks */
+                        _tile_loadd(4, qp + i0 * D, D * 2);
+                        _tile_loadd(5, qp + i0 * D + TK, D * 2);
+                    }
                     for (int64_t jb = 0; jb <= ib; jb++) { /* scores against the keys up to the block's last */
                         _tile_zero(0);
-                        for (int64_t db = 0; db < D / TK; db++) {
-                            _tile_loadd(4, qp + i0 * D + db * TK, D * 2);
-                            _tile_loadd(6, kt + (db * nb + jb) * TR * TR, 64);
+                        if (D == 2 * TK) {
+                            _tile_loadd(6, kt + jb * TR * TR, 64);
+                            _tile_loadd(7, kt + (nb + jb) * TR * TR, 64);
                             _tile_dpbf16ps(0, 4, 6);
-                        }
+                            _tile_dpbf16ps(0, 5, 7);
+                        } else
+                            for (int64_t db = 0; db < D / TK; db++) {
+                                _tile_loadd(4, qp + i0 * D + db * TK, D * 2);
+                                _tile_loadd(6, kt + (db * nb + jb) * TR * TR, 64);
+                                _tile_dpbf16ps(0, 4, 6);
+                            }
                         _tile_stored(0, s + jb * TR, tp * 4);
                     }
                     for (int64_t r = 0; r < TR; r++) { /* softmax over keys 0..i, rounded to bf16; zero after */
@@ -322,17 +332,34 @@ int seqlab_amx_attention_backward(const AmxAttentionGrad *a, int nthreads) {
                     /* columns written: through the end of the block's key pair chunk, so that the transposed
                      * products, which read whole 32-query chunks, find zeros above the diagonal */
                     const int64_t jw = up(i0 + TR, TK);
+                    const int hold = rows && D == 2 * TK; /* Q and dO rows stay in four tiles across key blocks */
+                    if (hold) {
+                        _tile_loadd(2, qp + i0 * D, D * 2);
+                        _tile_loadd(3, qp + i0 * D + TK, D * 2);
+                        _tile_loadd(4, gp + i0 * D, D * 2);
+                        _tile_loadd(5, gp + i0 * D + TK, D * 2);
+                    }
                     for (int64_t jb = 0; rows && jb <= ib; jb++) { /* scores and dO V^T */
                         _tile_zero(0);
                         _tile_zero(1);
-                        for (int64_t db = 0; db < D / TK; db++) {
-                            _tile_loadd(4, qp + i0 * D + db * TK, D * 2);
-                            _tile_loadd(5, gp + i0 * D + db * TK, D * 2);
-                            _tile_loadd(6, kt + (db * nb + jb) * TR * TR, 64);
-                            _tile_loadd(7, vt + (db * nb + jb) * TR * TR, 64);
-                            _tile_dpbf16ps(0, 4, 6);
+                        if (hold) {
+                            _tile_loadd(6, kt + jb * TR * TR, 64);
+                            _tile_loadd(7, vt + jb * TR * TR, 64);
+                            _tile_dpbf16ps(0, 2, 6);
+                            _tile_dpbf16ps(1, 4, 7);
+                            _tile_loadd(6, kt + (nb + jb) * TR * TR, 64);
+                            _tile_loadd(7, vt + (nb + jb) * TR * TR, 64);
+                            _tile_dpbf16ps(0, 3, 6);
                             _tile_dpbf16ps(1, 5, 7);
-                        }
+                        } else
+                            for (int64_t db = 0; db < D / TK; db++) {
+                                _tile_loadd(4, qp + i0 * D + db * TK, D * 2);
+                                _tile_loadd(5, gp + i0 * D + db * TK, D * 2);
+                                _tile_loadd(6, kt + (db * nb + jb) * TR * TR, 64);
+                                _tile_loadd(7, vt + (db * nb + jb) * TR * TR, 64);
+                                _tile_dpbf16ps(0, 4, 6);
+                                _tile_dpbf16ps(1, 5, 7);
+                            }
                         _tile_stored(0, s + jb * TR, tp * 4);
                         _tile_stored(1, dp + jb * TR, tp * 4);
                     }

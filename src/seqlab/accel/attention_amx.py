@@ -49,6 +49,11 @@ def library() -> ctypes.CDLL | None:
     """The kernels, or None where this CPU (or an ISA cap, or the OS) gives no AMX to this process."""
     if native.isa_allowed(ISA) is not None:
         return None
+    return _built()
+
+
+def _built() -> ctypes.CDLL:
+    """The library once :func:`library` found it (the per-call path: no CPU or environment lookups)."""
     return native.optional_library("attention_amx", SOURCE, ISA, [SIMD], _signatures)
 
 
@@ -94,7 +99,7 @@ class _AmxCausalAttention(torch.autograd.Function):
         out, lse = _heads_last(B, T, H, D), torch.empty(B, H, T, dtype=torch.float32)
         desc = _Forward(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(), B, H, G, T, D,
                         *(_strides(*t.stride()[:3]) for t in (q, k, v, out)), scale)
-        if library().seqlab_amx_attention(ctypes.byref(desc), torch.get_num_threads()) != 0:
+        if _built().seqlab_amx_attention(ctypes.byref(desc), torch.get_num_threads()) != 0:
             raise RuntimeError("seqlab.accel: the AMX attention kernel could not allocate its scratch")
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
@@ -111,7 +116,7 @@ class _AmxCausalAttention(torch.autograd.Function):
         tensors = (q, k, v, out, dout, lse, dq, dk, dv)
         desc = _Backward(*(t.data_ptr() for t in tensors), B, H, G, T, D,
                          *(_strides(*t.stride()[:3]) for t in (q, k, v, out, dout, dq, dk, dv)), ctx.scale)
-        if library().seqlab_amx_attention_backward(ctypes.byref(desc), torch.get_num_threads()) != 0:
+        if _built().seqlab_amx_attention_backward(ctypes.byref(desc), torch.get_num_threads()) != 0:
             raise RuntimeError("seqlab.accel: the AMX attention backward could not allocate its scratch")
         return dq, dk, dv, None
 

@@ -5,7 +5,9 @@
  * 0.5 x (1 + tanh(u)) is computed as x * sigmoid(2u) (the same function, without tanh's cancellation near 0), with
  * one vectorised exp per element, and the backward uses
  *     d/dx = s + x s (1 - s) 2 u',   s = sigmoid(2u),   u = k (x + c x^3),   u' = k (1 + 3 c x^2).
- * Results agree with torch's to about 1e-6 relative (tested).
+ * Results agree with torch's to about 1e-6 relative (tested). bf16 tensors in the AVX-512 build take a shorter
+ * sigmoid (about 1e-4 relative before the rounding to bf16's 4e-3 step): their errors against fp32 arithmetic
+ * measured the same as torch's own bf16 gelu's (docs/acceleration.md, "AMX tiles for the attention").
  */
 #include "simd.h"
 
@@ -20,6 +22,26 @@ INLINE vf vsigmoid2u(vf x, vf *du) { /* sigmoid(2u) and, through du, 2u' */
     *du = vmul(vset1(2.0f * GELU_K), vfma(x2, vset1(3.0f * GELU_C), vset1(1.0f)));
     return vdiv(vset1(1.0f), vadd(vset1(1.0f), vexp(vsub(vzero(), u2))));
 }
+
+#ifdef __AVX512F__
+/* The same for bf16 outputs, to about 1e-4 relative (a bf16 step is 4e-3): exp by a degree-4 polynomial on the
+ * reduced argument and 1 / (1 + e) by the 14-bit reciprocal estimate, a third fewer instructions. */
+INLINE vf vsigmoid2u_bf16(vf x, vf *du) {
+    const vf x2 = vmul(x, x);
+    const vf u2 = vmul(vmul(x, vset1(2.0f * GELU_K)), vfma(x2, vset1(GELU_C), vset1(1.0f)));
+    *du = vmul(vset1(2.0f * GELU_K), vfma(x2, vset1(3.0f * GELU_C), vset1(1.0f)));
+    const vf t = vmin(vmax(vsub(vzero(), u2), vset1(-87.0f)), vset1(87.0f));
+    const vf n = vround(vmul(t, vset1(1.44269504088896341f)));
+    const vf r = vfma(n, vset1(-0.693147180559945f), t);
+    vf p = vfma(vset1(1.0f / 24.0f), r, vset1(1.0f / 6.0f));
+    p = vfma(p, r, vset1(0.5f));
+    p = vfma(p, r, vset1(1.0f));
+    p = vfma(p, r, vset1(1.0f));
+    return _mm512_rcp14_ps(vadd(vset1(1.0f), vmul(p, vpow2i(n))));
+}
+#else
+#define vsigmoid2u_bf16 vsigmoid2u
+#endif
 
 static inline float sigmoid2u(float x, float *du) {
     const float u2 = 2.0f * GELU_K * x * (1.0f + GELU_C * x * x);
@@ -51,6 +73,12 @@ void seqlab_gelu_tanh_fwd(const void *x, void *y, int64_t n, int bf16, int nthre
     for (int64_t c = 0; c < (n + CHUNK - 1) / CHUNK; c++) {
         const int64_t end = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;
         int64_t i = c * CHUNK;
+        if (bf16)
+            for (; i + VL <= end; i += VL) {
+                vf du;
+                const vf v = vload_bf16((const uint16_t *)x + i);
+                vstore_bf16((uint16_t *)y + i, vmul(v, vsigmoid2u_bf16(v, &du)));
+            }
         for (; i + VL <= end; i += VL) {
             vf du;
             const vf v = vload_as(x, i, bf16);
@@ -70,6 +98,14 @@ void seqlab_gelu_tanh_bwd(const void *x, const void *gy, void *gx, int64_t n, in
     for (int64_t c = 0; c < (n + CHUNK - 1) / CHUNK; c++) {
         const int64_t end = (c + 1) * CHUNK < n ? (c + 1) * CHUNK : n;
         int64_t i = c * CHUNK;
+        if (bf16)
+            for (; i + VL <= end; i += VL) {
+                vf du;
+                const vf v = vload_bf16((const uint16_t *)x + i);
+                const vf s = vsigmoid2u_bf16(v, &du);
+                const vf d = vfma(vmul(v, vmul(s, vsub(vset1(1.0f), s))), du, s);
+                vstore_bf16((uint16_t *)gx + i, vmul(vload_bf16((const uint16_t *)gy + i), d));
+            }
         for (; i + VL <= end; i += VL) {
             vf du;
             const vf v = vload_as(x, i, bf16);

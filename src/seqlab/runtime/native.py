@@ -111,6 +111,7 @@ def optional_library(name: str, source: Path, isa: str, includes: Sequence[Path]
     return _OPTIONAL[(name, isa)]
 
 
-def runnable_isas(library: Callable[[str], object], isas: Sequence[str] = VECTOR_ISAS) -> list[str]:
-    """The builds among ``isas`` this CPU may run, under the ISA caps in force, that ``library`` has."""
-    return [isa for isa in isas if isa_allowed(isa) is None and library(isa) is not None]
+def runnable_isas(library: Callable[[str], object]) -> list[str]:
+    """The vector builds (``"avx2"``, ``"avx512"``) this CPU may run, under the ISA caps in force, that ``library``
+    has."""
+    return [isa for isa in VECTOR_ISAS if isa_allowed(isa) is None and library(isa) is not None]
