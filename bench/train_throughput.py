@@ -8,7 +8,9 @@ labels=input_ids).loss``. Each library runs in its own process (``Worker``: noth
 and the timings alternate between them (A B A B ...) so background load on a shared machine hits all alike; the
 median per library is reported.
 
-MFU = achieved model FLOP/s / measured peak matmul FLOP/s of this machine in the same precision. Model FLOPs per
+MFU = achieved model FLOP/s / measured peak matmul FLOP/s of this machine in the same precision (the 1024 square's
+rate, best of the run's start and end; a line after the table gives the rates of larger squares and the MFU against
+the largest, which on AMX runs well above the 1024 square). Model FLOPs per
 token = 6 * (matmul parameters incl. the LM head) + 12 * n_layers * seq_len * d_model (attention scores and
 values, forward + backward), the PaLM accounting.
 
@@ -71,6 +73,16 @@ def matmul_peak(dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
                 kernel()
             best = min(best, (time.perf_counter() - t) / reps)
     return 2 * n**3 / best
+
+
+SQUARE_SIZES = (1024, 2048, 4096)
+
+
+def square_rates(dtype: torch.dtype) -> dict[int, float]:
+    """FLOP/s of square products of each of ``SQUARE_SIZES`` (about 4 GFLOP timed per round). Why: the MFU column
+    divides by the 1024 square's rate, and on AMX larger squares run well above it (the tile kernels' packing is
+    paid per product), so the table says what the MFU reads against the largest too."""
+    return {n: matmul_peak(dtype, n, reps=max(1, int(4e9 // (2 * n**3)))) for n in SQUARE_SIZES}
 
 
 def measured_peaks(precisions: list[str], earlier: dict[str, float] | None = None) -> dict[str, float]:
@@ -319,6 +331,9 @@ def main() -> None:
     peaks = measured_peaks(precisions, earlier=peaks)
     for r in results:
         r["mfu"] = r["model_tflops"] * 1e12 / peaks[r["precision"]]
+    squares = {p: square_rates(PRECISION_DTYPES[p]) for p in precisions}
+    for r in results:
+        r["mfu_vs_largest_square"] = r["model_tflops"] * 1e12 / max(squares[r["precision"]].values())
     tables = {p: gemm_table(args, PRECISION_DTYPES[p]) for p in precisions}
     floors = {p: weight_gemm_floor_s(t) for p, t in tables.items()}
     speedups = {}
@@ -335,6 +350,10 @@ def main() -> None:
         sp = speedups[r["precision"]].get(r["library"], 1.0)
         print(f"{r['library']:<16}{r['precision']:<10}{r['tokens_per_s']:>10,.0f}{r['step_s'] * 1e3:>10.1f}"
               f"{r['model_tflops'] * 1e3:>10.1f}{r['mfu']:>8.1%}{sp:>7.2f}x")
+    for precision, rates in squares.items():
+        accel = next(r for r in results if r["precision"] == precision and r["library"] == "seqlab+accel")
+        print(f"{precision} square products: " + ", ".join(f"{n}: {v / 1e9:.0f}" for n, v in rates.items())
+              + f" GFLOP/s; seqlab+accel's MFU against the largest: {accel['mfu_vs_largest_square']:.1%}")
     if args.gemm_table:
         for precision, t in tables.items():
             print(f"\n{precision} weight products of one step, ms (median of 5; x = layers with that shape)")
@@ -345,7 +364,8 @@ def main() -> None:
         ceilings[precision] = hf_step / floor
         print(f"{precision}: weight GEMMs alone take {floor * 1e3:.1f} ms per step, each on its faster "
               f"library (the floor for any implementation); HF's step / floor = {ceilings[precision]:.2f}x is the largest possible speed-up")
-    out = {"config": vars(args), "flops_per_token": flops_tok, "matmul_peak_flops": peaks, "results": results,
+    out = {"config": vars(args), "flops_per_token": flops_tok, "matmul_peak_flops": peaks,
+           "square_product_flops": {p: {str(n): v for n, v in r.items()} for p, r in squares.items()}, "results": results,
            "weight_gemm_floor_s": floors, "gemm_table_ms": tables, "max_possible_speedup_vs_hf": ceilings,
            "speedup_vs_hf": speedups, "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
            "threads": torch.get_num_threads(), "isa": args.isa_child,
