@@ -74,22 +74,14 @@ def test_only_pre_norm_block_norms_take_it():
     assert block_norms(build_model(_gpt2(pre_norm=False))) == []
 
 
-def test_accelerate_installs_where_faster_and_restore_takes_it_off(monkeypatch):
+@pytest.mark.parametrize("kernel_s", [0.5, 0.97])  # twice as fast; 3 % faster, inside calibrate.MIN_GAIN
+def test_accelerate_installs_it_only_where_faster_and_restore_takes_it_off(monkeypatch, kernel_s):
     model = build_model(_gpt2())
     monkeypatch.setattr(fused_layer_norm, "time_norms",
-                        lambda rows, width, dtype, candidates, rounds=5: {k: 2.0 if k == "torch" else 1.0
+                        lambda rows, width, dtype, candidates, rounds=5: {k: 1.0 if k == "torch" else kernel_s
                                                                            for k in candidates})
     accelerate(model, "train", rows=64, dtype=None, use_cache=False)
-    assert all(isinstance(m.normalize, FusedLayerNorm) for m in block_norms(model))
+    assert all(isinstance(m.normalize, FusedLayerNorm) == (kernel_s < 0.9) for m in block_norms(model))
     assert model.stack.norm.normalize is F.layer_norm
     restore_plain(model)
-    assert all(m.normalize is F.layer_norm for m in block_norms(model))
-
-
-def test_a_slower_kernel_is_not_installed(monkeypatch):
-    model = build_model(_gpt2())
-    monkeypatch.setattr(fused_layer_norm, "time_norms",
-                        lambda rows, width, dtype, candidates, rounds=5: {k: 1.0 if k == "torch" else 0.97
-                                                                           for k in candidates})
-    accelerate(model, "train", rows=64, dtype=None, use_cache=False)
     assert all(m.normalize is F.layer_norm for m in block_norms(model))

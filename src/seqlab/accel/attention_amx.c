@@ -143,6 +143,24 @@ static inline void store_bf16_row(uint16_t *dst, const float *src, int64_t D, fl
     for (int64_t d = 0; d < D; d += VL) vstore_bf16(dst + d, vmul(vload(src + d), vset1(mul)));
 }
 
+/* o[16][D] (fp32) = a[16][0 .. 32 chunks) (bf16 rows, lda apart) x the row-pairs matrix `pairs` ([32 chunks][D]),
+ * 32 columns at a time */
+static void rows_by_pairs(const uint16_t *a, int64_t lda, const uint16_t *pairs, int64_t D, int64_t chunks, float *o) {
+    for (int64_t m0 = 0; m0 < D / TR; m0 += 2) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t c = 0; c < chunks; c++) {
+            _tile_loadd(4, a + c * TK, lda * 2);
+            _tile_loadd(6, pairs + c * TK * D + m0 * TK, D * 4);
+            _tile_loadd(7, pairs + c * TK * D + (m0 + 1) * TK, D * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        _tile_stored(0, o + m0 * TR, D * 4);
+        _tile_stored(1, o + (m0 + 1) * TR, D * 4);
+    }
+}
+
 int seqlab_amx_attention(const AmxAttention *a, int nthreads) {
     const int64_t B = a->batch, H = a->n_heads, G = a->n_kv, T = a->len, D = a->head_dim;
     if (D % TK || H % G || T <= 0) return -1;
@@ -221,19 +239,7 @@ int seqlab_amx_attention(const AmxAttention *a, int nthreads) {
                                                 _mm512_cvtepi32_epi16(_mm512_maskz_mov_epi32(in, bits)));
                         }
                     }
-                    for (int64_t m0 = 0; m0 < D / TR; m0 += 2) { /* O = P V, 32 columns at a time */
-                        _tile_zero(0);
-                        _tile_zero(1);
-                        for (int64_t c = 0; c < kend / TK; c++) {
-                            _tile_loadd(4, p + c * TK, tp * 2);
-                            _tile_loadd(6, vv + c * TK * D + m0 * TK, D * 4);
-                            _tile_loadd(7, vv + c * TK * D + (m0 + 1) * TK, D * 4);
-                            _tile_dpbf16ps(0, 4, 6);
-                            _tile_dpbf16ps(1, 4, 7);
-                        }
-                        _tile_stored(0, o + m0 * TR, D * 4);
-                        _tile_stored(1, o + (m0 + 1) * TR, D * 4);
-                    }
+                    rows_by_pairs(p, tp, vv, D, kend / TK, o); /* O = P V */
                     for (int64_t r = 0; r < rows; r++) store_bf16_row(out + (i0 + r) * a->out_strides[2], o + r * D, D, 1.0f);
                 }
             }
@@ -389,19 +395,7 @@ int seqlab_amx_attention_backward(const AmxAttentionGrad *a, int nthreads) {
                         }
                     }
                     if (!rows) continue;
-                    for (int64_t m0 = 0; m0 < D / TR; m0 += 2) { /* dQ = scale dS K over the keys the rows see */
-                        _tile_zero(0);
-                        _tile_zero(1);
-                        for (int64_t c = 0; c < jw / TK; c++) {
-                            _tile_loadd(4, dsr + c * TK, tp * 2);
-                            _tile_loadd(6, kv + c * TK * D + m0 * TK, D * 4);
-                            _tile_loadd(7, kv + c * TK * D + (m0 + 1) * TK, D * 4);
-                            _tile_dpbf16ps(0, 4, 6);
-                            _tile_dpbf16ps(1, 4, 7);
-                        }
-                        _tile_stored(0, o + m0 * TR, D * 4);
-                        _tile_stored(1, o + (m0 + 1) * TR, D * 4);
-                    }
+                    rows_by_pairs(dsr, tp, kv, D, jw / TK, o); /* dQ / scale = dS K, keys the rows see */
                     for (int64_t r = 0; r < rows; r++) store_bf16_row(dq + (i0 + r) * a->dq_strides[2], o + r * D, D, a->scale);
                 }
                 keys_by_queries(gt, pp, D, tp, dvt);  /* dV^T += dO^T P */

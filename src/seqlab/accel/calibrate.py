@@ -247,6 +247,24 @@ def cached_timings(key: str, measure: Callable[[], dict[str, float]], use_cache:
     return timings
 
 
+def builds_per_dtype(dtypes: Sequence[torch.dtype], key: Callable[[torch.dtype], str],
+                     candidates: Callable[[torch.dtype], Mapping[str, object]],
+                     measure: Callable[[torch.dtype, Mapping[str, object]], dict[str, float]], plain: str,
+                     use_cache: bool = True) -> tuple[dict[torch.dtype, str], dict[str, float]]:
+    """For each compute dtype, the candidate that beats the ``plain`` route by ``MIN_GAIN`` (none: ``plain`` stays),
+    from ``measure(dtype, candidates(dtype))`` (name -> seconds, ``plain`` among them) or the cache entry
+    ``key(dtype)``; and every timing as ``"<dtype> <name>"``. The training kernels' choice: one build per dtype."""
+    builds, all_timings = {}, {}
+    for dtype in dtypes:
+        named = candidates(dtype)
+        timings = cached_timings(key(dtype), lambda: measure(dtype, named), use_cache)
+        best = fastest({k: v for k, v in timings.items() if k == plain or k in named}, plain=plain)
+        if best in named:
+            builds[dtype] = best
+        all_timings |= {f"{dtype_name(dtype)} {name}": t for name, t in timings.items()}
+    return builds, all_timings
+
+
 def timings_by_size(key: str, sizes: Sequence[int], time_at: Callable[[int], dict[str, float]],
                     use_cache: bool = True) -> dict[str, float]:
     """``{"<candidate>@<size>": seconds}`` for every size, from ``time_at(size)`` (candidate -> seconds) or from the

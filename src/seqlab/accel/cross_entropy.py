@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from seqlab.accel.calibrate import best_of_rounds, cached_timings, dtype_name, fastest
+from seqlab.accel.calibrate import best_of_rounds, builds_per_dtype, dtype_name
 from seqlab.objectives.loss import IGNORE_INDEX, release_scratch, token_cross_entropy
 from seqlab.runtime import native
 
@@ -129,16 +129,10 @@ def choose_cross_entropy(model: nn.Module, rows: int, dtypes: tuple[torch.dtype,
     if not isas:
         return None, {}
     rows = max(1, min(int(rows), MAX_TIMED_ROWS))
-    builds, all_timings = {}, {}
     loss_source = Path(sys.modules[token_cross_entropy.__module__].__file__)  # the math the kernel must match
-    for dtype in dtypes:
-        key = f"cross-entropy|{rows}x{vocab}|{dtype_name(dtype)}|{'+'.join(isas)}|" \
-              f"{native.source_key([SOURCE, SIMD, Path(__file__), loss_source])}"
-        candidates = {isa: FusedCrossEntropy({dtype: isa}) for isa in isas}
-        timings = cached_timings(key, lambda: time_cross_entropy(rows, vocab, dtype, {"torch": None, **candidates}),
-                                 use_cache)
-        best = fastest({k: v for k, v in timings.items() if k == "torch" or k in candidates}, plain="torch")
-        if best in candidates:
-            builds[dtype] = best
-        all_timings |= {f"{dtype_name(dtype)} {name}": t for name, t in timings.items()}
-    return (FusedCrossEntropy(builds) if builds else None), all_timings
+    sources = native.source_key([SOURCE, SIMD, Path(__file__), loss_source])
+    builds, timings = builds_per_dtype(
+        dtypes, lambda dt: f"cross-entropy|{rows}x{vocab}|{dtype_name(dt)}|{'+'.join(isas)}|{sources}",
+        lambda dt: {isa: FusedCrossEntropy({dt: isa}) for isa in isas},
+        lambda dt, kernels: time_cross_entropy(rows, vocab, dt, {"torch": None, **kernels}), "torch", use_cache)
+    return (FusedCrossEntropy(builds) if builds else None), timings

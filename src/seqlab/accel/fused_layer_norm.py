@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from seqlab.accel.calibrate import best_of_rounds, cached_timings, dtype_name, fastest
+from seqlab.accel.calibrate import best_of_rounds, builds_per_dtype, dtype_name
 from seqlab.model.layers import LayerNorm
 from seqlab.model.transformer import Block
 from seqlab.runtime import native
@@ -142,17 +142,12 @@ def choose_layer_norm(model: nn.Module, rows: int, dtypes: tuple[torch.dtype, ..
     if not isas:
         return None, {}
     width, rows = norms[0].normalized_shape[0], min(int(rows), MAX_TIMED_ROWS)
-    builds, all_timings = {}, {}
-    for dtype in dtypes:
-        key = f"layer_norm|train|{dtype_name(dtype)}|rows={rows}|width={width}|{native.source_key([SOURCE, SIMD])}"
-        candidates = {isa: FusedLayerNorm({dtype: isa}) for isa in isas}
-        timings = cached_timings(key, lambda: time_norms(rows, width, dtype, {"torch": F.layer_norm, **candidates}),
-                                 use_cache)
-        best = fastest({k: v for k, v in timings.items() if k == "torch" or k in candidates}, plain="torch")
-        if best in candidates:
-            builds[dtype] = best
-        all_timings |= {f"{dtype_name(dtype)} {name}": t for name, t in timings.items()}
-    return (FusedLayerNorm(builds) if builds else None), all_timings
+    builds, timings = builds_per_dtype(
+        dtypes, lambda dt: f"layer_norm|train|{dtype_name(dt)}|rows={rows}|width={width}|"
+                           f"{native.source_key([SOURCE, SIMD])}",
+        lambda dt: {isa: FusedLayerNorm({dt: isa}) for isa in isas},
+        lambda dt, kernels: time_norms(rows, width, dt, {"torch": F.layer_norm, **kernels}), "torch", use_cache)
+    return (FusedLayerNorm(builds) if builds else None), timings
 
 
 def install(model: nn.Module, norm: FusedLayerNorm) -> None:

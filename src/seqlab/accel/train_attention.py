@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from seqlab.accel import attention_amx
-from seqlab.accel.calibrate import best_of_rounds, cached_timings, dtype_name, fastest
+from seqlab.accel.calibrate import best_of_rounds, builds_per_dtype, dtype_name
 from seqlab.accel.prefill_attention import HEAD_DIM_MULTIPLE, SIMD, TILES, causal_attention, takes
 from seqlab.accel.prefill_attention import SOURCE as FORWARD_SOURCE
 from seqlab.accel.prefill_attention import library as forward_library
@@ -182,19 +182,14 @@ def choose_train_attention(model: nn.Module, batch: int, length: int,
     batch = max(1, min(batch, MAX_TIMED_TOKENS // length))
     shape = f"{cfg.n_heads}x{cfg.n_kv_heads}x{cfg.head_dim}|B={batch}|T={length}"
     sources = native.source_key([SOURCE, FORWARD_SOURCE, SIMD, TILES, attention_amx.SOURCE, Path(__file__)])
-    builds, all_timings = {}, {}
-    for dtype in dtypes:
-        builds_here = [*isas, attention_amx.ISA] if amx and dtype == torch.bfloat16 else isas
-        key = f"train-attention|{shape}|{dtype_name(dtype)}|{'+'.join(builds_here)}|{sources}"
-        candidates = {isa: TrainAttention({dtype: isa}) for isa in builds_here}
-        timings = cached_timings(key, lambda: time_train_attention(
-            cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, batch, length, dtype,
-            {"sdpa": F.scaled_dot_product_attention, **candidates}), use_cache)
-        best = fastest({k: v for k, v in timings.items() if k == "sdpa" or k in candidates}, plain="sdpa")
-        if best in candidates:
-            builds[dtype] = best
-        all_timings |= {f"{dtype_name(dtype)} {name}": t for name, t in timings.items()}
-    return (TrainAttention(builds) if builds else None), all_timings
+    names = {dt: [*isas, attention_amx.ISA] if amx and dt == torch.bfloat16 else isas for dt in dtypes}
+    builds, timings = builds_per_dtype(
+        dtypes, lambda dt: f"train-attention|{shape}|{dtype_name(dt)}|{'+'.join(names[dt])}|{sources}",
+        lambda dt: {isa: TrainAttention({dt: isa}) for isa in names[dt]},
+        lambda dt, kernels: time_train_attention(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, batch, length, dt,
+                                                 {"sdpa": F.scaled_dot_product_attention, **kernels}),
+        "sdpa", use_cache)
+    return (TrainAttention(builds) if builds else None), timings
 
 
 def install(model: nn.Module, attend: TrainAttention) -> None:
