@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from seqlab.accel import attention_amx, train_attention
+from seqlab.accel import attention_amx
 from seqlab.accel.train_attention import TrainAttention, choose_train_attention
 from seqlab.config import ModelConfig
 from seqlab.model import build_model
@@ -112,7 +112,24 @@ def test_an_isa_cap_keeps_it_out(monkeypatch):
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
     assert native.isa_allowed("amx") is not None and native.isa_allowed("avx512") is None
     assert attention_amx.library() is None
-    for var, value in {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}.items():
+    assert not attention_amx.available()
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    for var, value in {"DNNL_MAX_CPU_ISA": "AVX512_CORE", "ATEN_CPU_CAPABILITY": "avx2"}.items():
         monkeypatch.setenv(var, value)
         assert native.isa_allowed("amx") is not None
-    assert attention_amx.ISA not in train_attention.available_isas()
+
+
+def test_an_os_that_refuses_the_tile_state_leaves_the_build_absent(monkeypatch):
+    """Where Linux refuses AMX to the process, the library is not offered (the other builds compete), with a
+    warning, instead of failing at the first call."""
+    monkeypatch.setattr(native, "_OPTIONAL", {})
+
+    def refuse(dll):
+        raise OSError("the OS did not grant this process AMX tile state")
+
+    monkeypatch.setattr(attention_amx, "_signatures", refuse)
+    with pytest.warns(RuntimeWarning, match="AMX tile state"):
+        assert not attention_amx.available()
+    cfg = ModelConfig(arch="decoder", vocab_size=64, d_model=128, n_layers=1, n_heads=2, max_seq_len=64)
+    _, timings = choose_train_attention(build_model(cfg), 2, 64, (torch.bfloat16,), use_cache=False)
+    assert "bf16 amx" not in timings and "bf16 sdpa" in timings

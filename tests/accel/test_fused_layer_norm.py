@@ -52,6 +52,32 @@ def test_bf16_under_autocast_is_the_norm_rounded_once(isa):
         torch.testing.assert_close(a, e, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_any_thread_count_sums_the_weight_gradients(threads):
+    """Each thread sums its rows' dw and db; the sums over threads must not depend on how many there are."""
+    g = torch.Generator().manual_seed(2)
+    x, grad = torch.randn(37, 64, generator=g), torch.randn(37, 64, generator=g)
+    w, b = torch.randn(64, generator=g), torch.randn(64, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        got = _run(FusedLayerNorm({torch.float32: ISAS[0]}), x, w, b, grad, torch.float32)
+    finally:
+        torch.set_num_threads(before)
+    want = _run(F.layer_norm, x, w, b, grad, torch.float32)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, atol=2e-5, rtol=1e-5)
+
+
+def test_a_second_derivative_fails_loudly():
+    x = torch.randn(4, 64, requires_grad=True)
+    w = torch.randn(64, requires_grad=True)
+    y = FusedLayerNorm({torch.float32: ISAS[0]})(x, (64,), w, None, 1e-5)
+    (gx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError):
+        gx.sum().backward()
+
+
 def test_other_calls_go_to_torch():
     kernel = FusedLayerNorm({torch.float32: ISAS[0]})
     x = torch.randn(4, 20)  # a width no vector length divides: torch's

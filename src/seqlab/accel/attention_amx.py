@@ -63,15 +63,12 @@ def _signatures(dll: ctypes.CDLL) -> None:
     dll.seqlab_amx_attention.restype = ctypes.c_int
     dll.seqlab_amx_attention_backward.argtypes = [ctypes.POINTER(_Backward), ctypes.c_int]
     dll.seqlab_amx_attention_backward.restype = ctypes.c_int
-    if dll.seqlab_amx_enable() != 0:  # the kernel asks Linux for the tile state (a kernel before 5.16 refuses)
-        raise OSError("the OS did not grant this process AMX tile state")
+    if dll.seqlab_amx_enable() != 0:  # the kernel asks Linux for the tile state (a kernel before 5.16 refuses);
+        raise OSError("the OS did not grant this process AMX tile state")  # native: the build is then absent
 
 
 def available() -> bool:
-    try:
-        return library() is not None
-    except OSError:
-        return False
+    return library() is not None
 
 
 def takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
@@ -79,8 +76,8 @@ def takes(q: Tensor, k: Tensor, v: Tensor) -> bool:
     multiple of 32, T at most ``MAX_LEN``, the last dimension contiguous (and rows on 32-bit words: the kernel
     reads bf16 pairs as words)."""
     if not q.dim() == k.dim() == v.dim() == 4 or any(
-            t.stride(-1) != 1 or t.device.type != "cpu" or t.data_ptr() % 4 or any(s % 2 for s in t.stride()[:3])
-            for t in (q, k, v)):
+            t.stride(-1) != 1 or t.device.type != "cpu" or t.data_ptr() % 4
+            or any(s % 2 for s, n in zip(t.stride()[:3], t.shape[:3]) if n > 1) for t in (q, k, v)):
         return False
     (B, H, T, D), (Bk, G, Tk, Dk) = q.shape, k.shape
     return (0 < T <= MAX_LEN and G > 0 and (Bk, Tk, Dk) == (B, T, D) and tuple(v.shape) == (B, G, T, D)

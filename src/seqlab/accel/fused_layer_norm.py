@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from seqlab.accel.calibrate import best_of_rounds, builds_per_dtype, dtype_name
 from seqlab.model.layers import LayerNorm
@@ -53,7 +54,7 @@ class _LayerNorm(torch.autograd.Function):
         n = x.shape[-1]
         x2 = x.reshape(-1, n).contiguous()
         y = torch.empty(x2.shape, dtype=out_dtype)
-        mean, rstd = torch.empty(x2.shape[0]), torch.empty(x2.shape[0])
+        mean, rstd = (torch.empty(x2.shape[0], dtype=torch.float32) for _ in range(2))
         library(isa).seqlab_layer_norm_fwd(x2.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
                                            y.data_ptr(), _BF16[out_dtype], mean.data_ptr(), rstd.data_ptr(),
                                            x2.shape[0], n, eps, torch.get_num_threads())
@@ -62,13 +63,14 @@ class _LayerNorm(torch.autograd.Function):
         return y.view(x.shape)
 
     @staticmethod
+    @once_differentiable  # the C backward builds no graph: a second derivative must fail loudly, not vanish
     def backward(ctx, dy: Tensor):
         x2, weight, mean, rstd = ctx.saved_tensors
         n, threads = x2.shape[1], torch.get_num_threads()
         dy = dy.to(ctx.out_dtype).reshape(x2.shape).contiguous()
-        dx, dw = torch.empty_like(x2), torch.empty(n)
-        db = torch.empty(n) if ctx.has_bias else None
-        partial = torch.zeros(threads, 2 * n)
+        dx, dw = torch.empty_like(x2), torch.empty(n, dtype=torch.float32)
+        db = torch.empty(n, dtype=torch.float32) if ctx.has_bias else None
+        partial = torch.zeros(threads, 2 * n, dtype=torch.float32)
         library(ctx.isa).seqlab_layer_norm_bwd(dy.data_ptr(), _BF16[dy.dtype], x2.data_ptr(), weight.data_ptr(),
                                                mean.data_ptr(), rstd.data_ptr(), dx.data_ptr(), dw.data_ptr(),
                                                0 if db is None else db.data_ptr(), partial.data_ptr(), x2.shape[0],

@@ -29,7 +29,7 @@ _ISA_CPU_FLAGS = {"avx2": ("avx2", "fma"), "avx512": ("avx2", "fma", "avx512f", 
                   "amx": ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16")}
 # an ISA cap (as on an AVX2-only machine, or set by a user) keeps the wider build out
 _CAPS_BELOW_512 = {"ATEN_CPU_CAPABILITY": ("default", "avx2"), "ONEDNN_MAX_CPU_ISA": ("SSE41", "AVX", "AVX2"),
-                   "MKL_ENABLE_INSTRUCTIONS": ("SSE4_2", "AVX", "AVX2")}
+                   "DNNL_MAX_CPU_ISA": ("SSE41", "AVX", "AVX2"), "MKL_ENABLE_INSTRUCTIONS": ("SSE4_2", "AVX", "AVX2")}
 
 
 def cpu_flags() -> set[str]:
@@ -45,9 +45,10 @@ def isa_allowed(isa: str) -> str | None:
         for var, below in _CAPS_BELOW_512.items():
             if os.environ.get(var, "").upper() in {b.upper() for b in below}:
                 return f"{var}={os.environ[var]} caps the ISA below AVX-512"
-    cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    if isa == "amx" and cap and "AMX" not in cap and cap not in ("ALL", "DEFAULT"):
-        return f"ONEDNN_MAX_CPU_ISA={os.environ['ONEDNN_MAX_CPU_ISA']} caps the ISA below AMX"
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # oneDNN's own AMX limit keeps the tile kernels out too
+        cap = os.environ.get(var, "").upper()
+        if isa == "amx" and cap and "AMX" not in cap and cap not in ("ALL", "DEFAULT"):
+            return f"{var}={os.environ[var]} caps the ISA below AMX"
     return None
 
 
@@ -106,7 +107,11 @@ def optional_library(name: str, source: Path, isa: str, includes: Sequence[Path]
                 warnings.warn(f"{feature} unavailable ({e})", RuntimeWarning)
             dll = None
         if dll is not None:
-            signatures(dll)
+            try:
+                signatures(dll)
+            except OSError as e:  # built, but this process may not run it (an OS that refuses AMX tile state)
+                warnings.warn(f"{feature or name} ({isa}) unavailable: {e}", RuntimeWarning)
+                dll = None
         _OPTIONAL[(name, isa)] = dll
     return _OPTIONAL[(name, isa)]
 
