@@ -25,7 +25,7 @@ def _inputs(dtype):
 def test_values_and_gradients_are_torchs(isa, dtype, atol, gatol):
     x = _inputs(dtype)
     a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ya, yb = FusedGeluTanh(isa)(a), F.gelu(b, approximate="tanh")
+    ya, yb = FusedGeluTanh({dtype: isa})(a), F.gelu(b, approximate="tanh")
     g = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     ya.backward(g)
     yb.backward(g)
@@ -35,7 +35,7 @@ def test_values_and_gradients_are_torchs(isa, dtype, atol, gatol):
 
 
 def test_other_layouts_and_dtypes():
-    act = FusedGeluTanh(ISAS[0])
+    act = FusedGeluTanh({torch.float32: ISAS[0]})
     x = torch.randn(8, 6)
     torch.testing.assert_close(act(x.t()), F.gelu(x.t(), approximate="tanh"), atol=2e-6, rtol=1e-5)  # strided
     d = x.double()
@@ -60,7 +60,7 @@ def test_accelerate_puts_it_in_only_where_it_wins_and_restore_takes_it_out(monke
     monkeypatch.setattr(fused_gelu, "time_gelus", lambda rows, width, dtype, c: {**dict.fromkeys(c, 0.5), "torch": 1.0})
     accelerate(model, "train", rows=32, dtype="fp32", budget_s=0.2)
     assert all(isinstance(m.act, FusedGeluTanh) for m in fused_gelu.gelu_mlps(model))
-    assert "MLP activation" in model.accel_plan.summary() and model.accel_plan.act.startswith("FusedGeluTanh")
+    assert "MLP activation" in model.accel_plan.summary() and "fp32 on seqlab's kernel" in model.accel_plan.act
     want, got = _grads(plain, ids), _grads(model, ids)
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4)
@@ -76,4 +76,16 @@ def test_accelerate_puts_it_in_only_where_it_wins_and_restore_takes_it_out(monke
 def test_models_without_the_tanh_gelu_are_left_alone():
     llama = build_model(ModelConfig(vocab_size=50, d_model=32, n_layers=1, n_heads=2))
     assert fused_gelu.gelu_mlps(llama) == []
-    assert fused_gelu.choose_gelu(llama, 64, torch.float32) == (None, {})
+    assert fused_gelu.choose_gelu(llama, 64, (torch.float32,)) == (None, {})
+
+
+def test_each_dtype_gets_its_own_verdict(monkeypatch):
+    """Under bf16 autocast the activations are bf16: that dtype is timed for itself, and a build that wins only in
+    fp32 leaves bf16 on torch's."""
+    model = _gpt2()
+    monkeypatch.setattr(fused_gelu, "time_gelus", lambda rows, width, dtype, c: {
+        **dict.fromkeys(c, 0.5 if dtype == torch.float32 else 2.0), "torch": 1.0})
+    act, timings = fused_gelu.choose_gelu(model, 32, (torch.float32, torch.bfloat16), use_cache=False)
+    assert list(act.builds) == [torch.float32] and any(k.startswith("bf16 ") for k in timings)
+    x = torch.randn(4, 8).bfloat16()
+    assert torch.equal(act(x), F.gelu(x, approximate="tanh"))

@@ -369,12 +369,12 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
     if routed:  # the prefill's oneDNN switch, back on the layers that stayed (or came back) plain
         install_routing(model)
     if for_ == "train":  # the MLP activation too, where a fused one measures faster (same Parameters, same math)
-        act, plan.act_s = choose_gelu(model, plan.rows, compute, use_cache=use_cache)
+        dtypes = (torch.float32, torch.bfloat16) if native_bf16() else (torch.float32,)  # autocast may run bf16
+        act, plan.act_s = choose_gelu(model, plan.rows, dtypes, use_cache=use_cache)
         if act is not None:
             install_gelu(model, act)
             plan.act = repr(act)
         length = min(seq_len or cfg.max_seq_len, plan.rows)  # a step is rows // length sequences of length tokens
-        dtypes = (torch.float32, torch.bfloat16) if native_bf16() else (torch.float32,)  # autocast may run bf16
         norm, plan.norm_s = choose_layer_norm(model, plan.rows, dtypes, use_cache)
         if norm is not None:
             install_norm(model, norm)

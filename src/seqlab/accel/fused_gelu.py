@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from seqlab.accel.calibrate import best_of_rounds, cached_timings, dtype_name, fastest
+from seqlab.accel.calibrate import best_of_rounds, builds_per_dtype, dtype_name
 from seqlab.model.layers import MLP, activation_fn
 from seqlab.runtime import native
 
@@ -63,20 +63,23 @@ class _GeluTanh(torch.autograd.Function):
 
 
 class FusedGeluTanh:
-    """A drop-in for ``lambda x: F.gelu(x, approximate="tanh")`` (an MLP's ``act``), on one library build."""
+    """A drop-in for ``lambda x: F.gelu(x, approximate="tanh")`` (an MLP's ``act``), on the build chosen for the
+    input's dtype (``builds``: dtype -> "avx2" or "avx512"; another dtype, or another device, runs torch's)."""
 
-    def __init__(self, isa: str):
-        if library(isa) is None:
-            raise RuntimeError(f"the {isa} GELU library is not available here")
-        self.isa = isa
+    def __init__(self, builds: dict[torch.dtype, str]):
+        missing = [isa for isa in builds.values() if library(isa) is None]
+        if missing:
+            raise RuntimeError(f"the {missing[0]} GELU library is not available here")
+        self.builds = dict(builds)
 
     def __call__(self, x: Tensor) -> Tensor:
-        if not _fits(x):
+        isa = self.builds.get(x.dtype)
+        if isa is None or not _fits(x):
             return F.gelu(x, approximate="tanh")
-        return _GeluTanh.apply(x, self.isa)
+        return _GeluTanh.apply(x, isa)
 
     def __repr__(self) -> str:
-        return f"FusedGeluTanh({self.isa})"
+        return ", ".join(f"{dtype_name(dt)} on seqlab's kernel ({isa})" for dt, isa in self.builds.items())
 
 
 def time_gelus(rows: int, width: int, dtype: torch.dtype, candidates: dict, rounds: int = 5) -> dict[str, float]:
@@ -103,21 +106,24 @@ def gelu_mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, MLP)]
 
 
-def choose_gelu(model: torch.nn.Module, rows: int, dtype: torch.dtype,
+def choose_gelu(model: torch.nn.Module, rows: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,),
                 use_cache: bool = True) -> tuple[FusedGeluTanh | None, dict[str, float]]:
-    """The fused GELU to put into ``model``'s MLPs for training at ``rows`` tokens per step in ``dtype`` (None:
-    torch's is as fast, or the model has no tanh-GELU MLP), and the timings (cached per CPU signature)."""
+    """The fused GELU to put into ``model``'s MLPs for training at ``rows`` tokens per step, a build per dtype the
+    activations may have (under bf16 autocast they are bf16; None: torch's is as fast for every one, or the model
+    has no tanh-GELU MLP), and the timings ("<dtype> <candidate>"; cached per CPU signature)."""
     mlps = gelu_mlps(model)
-    isas = [isa for isa in ("avx2", "avx512") if native.isa_allowed(isa) is None and library(isa) is not None]
-    if not mlps or not isas or dtype not in _DTYPES:
+    isas = native.runnable_isas(library)
+    dtypes = tuple(dt for dt in dtypes if dt in _DTYPES)
+    if not mlps or not isas or not dtypes:
         return None, {}
     width, rows = mlps[0].d_ff, min(int(rows), MAX_TIMED_ROWS)
-    key = f"gelu_tanh|train|{dtype_name(dtype)}|rows={rows}|width={width}|{native.source_key([SOURCE, SIMD])}"
-    candidates = {isa: FusedGeluTanh(isa) for isa in isas}
-    timings = cached_timings(
-        key, lambda: time_gelus(rows, width, dtype, {"torch": activation_fn("gelu_tanh"), **candidates}), use_cache)
-    best = fastest({k: v for k, v in timings.items() if k == "torch" or k in candidates}, plain="torch")
-    return candidates.get(best), timings
+    builds, timings = builds_per_dtype(
+        dtypes, lambda dt: f"gelu_tanh|train|{dtype_name(dt)}|rows={rows}|width={width}|"
+                           f"{native.source_key([SOURCE, SIMD])}",
+        lambda dt: {isa: FusedGeluTanh({dt: isa}) for isa in isas},
+        lambda dt, kernels: time_gelus(rows, width, dt, {"torch": activation_fn("gelu_tanh"), **kernels}),
+        "torch", use_cache)
+    return (FusedGeluTanh(builds) if builds else None), timings
 
 
 def install(model: torch.nn.Module, act) -> None:
