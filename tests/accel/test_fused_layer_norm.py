@@ -27,7 +27,8 @@ def _run(norm, x, w, b, grad, dtype):
 def test_fp32_is_f_layer_norm(isa, shape):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g) * 3 + 1
-    w, b, grad = torch.randn(shape[-1], generator=g), torch.randn(shape[-1], generator=g), torch.randn(*shape, generator=g)
+    w, b = torch.randn(shape[-1], generator=g), torch.randn(shape[-1], generator=g)
+    grad = torch.randn(*shape, generator=g)
     want = _run(F.layer_norm, x, w, b, grad, torch.float32)
     got = _run(FusedLayerNorm({torch.float32: isa}), x, w, b, grad, torch.float32)
     assert got[0].dtype == torch.float32

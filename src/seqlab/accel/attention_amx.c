@@ -70,6 +70,14 @@ static inline __m512i bf16_bits(__m512 v) {
     return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
 }
 
+/* the lanes of the 16 columns from j that lie below n */
+static inline __mmask16 lanes_below(int64_t n, int64_t j) {
+    return n - j >= VL ? (__mmask16)0xffff : n > j ? (__mmask16)((1u << (n - j)) - 1) : (__mmask16)0;
+}
+
+/* two rows' bf16 bits (low halves) as pairs: row r in the low half of each 32-bit word, row r + 1 in the high one */
+static inline __m512i paired(__m512i r0, __m512i r1) { return _mm512_or_si512(r0, _mm512_slli_epi32(r1, 16)); }
+
 /* rows: dst[i][0..D) = src row i for i < n, zero for n <= i < tp */
 static void pack_rows(const uint16_t *src, int64_t st, int64_t n, int64_t D, int64_t tp, uint16_t *dst) {
     for (int64_t i = 0; i < tp; i++)
@@ -93,8 +101,10 @@ static void transpose_words(const uint32_t *src, int64_t sst, int64_t valid, uin
         u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
     }
     for (int m = 0; m < 4; m++) {
-        const __m512i v = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x88), w = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x88);
-        const __m512i v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xdd), w1 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xdd);
+        const __m512i v = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x88);
+        const __m512i w = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x88);
+        const __m512i v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xdd);
+        const __m512i w1 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xdd);
         _mm512_storeu_si512(dst + m * dst_st, _mm512_shuffle_i32x4(v, w, 0x88));
         _mm512_storeu_si512(dst + (8 + m) * dst_st, _mm512_shuffle_i32x4(v, w, 0xdd));
         _mm512_storeu_si512(dst + (4 + m) * dst_st, _mm512_shuffle_i32x4(v1, w1, 0x88));
@@ -120,11 +130,10 @@ static void pack_word_columns(const uint16_t *src, int64_t st, int64_t n, int64_
 static void pack_row_pairs(const uint16_t *src, int64_t st, int64_t n, int64_t N, int64_t tp, uint16_t *dst) {
     for (int64_t i = 0; i < tp; i += 2)
         for (int64_t c = 0; c < N; c += 16) {
-            const __m512i lo = i < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i * st + c)))
-                                     : _mm512_setzero_si512();
-            const __m512i hi = i + 1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + (i + 1) * st + c)))
-                                         : _mm512_setzero_si512();
-            _mm512_storeu_si512(dst + i * N + 2 * c, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+            const __m256i *r0 = (const __m256i *)(src + i * st + c), *r1 = (const __m256i *)(src + (i + 1) * st + c);
+            const __m512i lo = i < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(r0)) : _mm512_setzero_si512();
+            const __m512i hi = i + 1 < n ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(r1)) : _mm512_setzero_si512();
+            _mm512_storeu_si512(dst + i * N + 2 * c, paired(lo, hi));
         }
 }
 
@@ -216,16 +225,13 @@ int seqlab_amx_attention(const AmxAttention *a, int nthreads) {
                         uint16_t *pr = p + r * tp;
                         const int64_t n = r < rows ? i0 + r + 1 : 0;
                         vf m = vset1(-3.4e38f);
-                        for (int64_t j = 0; j < n; j += VL) {
-                            const __mmask16 in = n - j >= VL ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
-                            m = _mm512_mask_max_ps(m, in, m, vmul(vload(sr + j), vset1(a->scale)));
-                        }
+                        for (int64_t j = 0; j < n; j += VL)
+                            m = _mm512_mask_max_ps(m, lanes_below(n, j), m, vmul(vload(sr + j), vset1(a->scale)));
                         const float mx = _mm512_reduce_max_ps(m);
                         vf sum = vzero();
                         for (int64_t j = 0; j < n; j += VL) {
-                            const __mmask16 in = n - j >= VL ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
-                            const vf e = _mm512_maskz_mov_ps(in, vexp(vsub(vmul(vload(sr + j), vset1(a->scale)),
-                                                                           vset1(mx))));
+                            const vf x = vsub(vmul(vload(sr + j), vset1(a->scale)), vset1(mx));
+                            const vf e = _mm512_maskz_mov_ps(lanes_below(n, j), vexp(x));
                             vstore(sr + j, e);
                             sum = vadd(sum, e);
                         }
@@ -234,13 +240,13 @@ int seqlab_amx_attention(const AmxAttention *a, int nthreads) {
                         for (int64_t j = 0; j < kend; j += VL) {
                             const __m512i bits = j < n ? bf16_bits(vmul(vload(sr + j), vset1(inv)))
                                                        : _mm512_setzero_si512();
-                            const __mmask16 in = n - j >= VL ? 0xffff : n > j ? (__mmask16)((1u << (n - j)) - 1) : 0;
                             _mm256_storeu_si256((__m256i *)(pr + j),
-                                                _mm512_cvtepi32_epi16(_mm512_maskz_mov_epi32(in, bits)));
+                                                _mm512_cvtepi32_epi16(_mm512_maskz_mov_epi32(lanes_below(n, j), bits)));
                         }
                     }
                     rows_by_pairs(p, tp, vv, D, kend / TK, o); /* O = P V */
-                    for (int64_t r = 0; r < rows; r++) store_bf16_row(out + (i0 + r) * a->out_strides[2], o + r * D, D, 1.0f);
+                    for (int64_t r = 0; r < rows; r++)
+                        store_bf16_row(out + (i0 + r) * a->out_strides[2], o + r * D, D, 1.0f);
                 }
             }
         }
@@ -375,28 +381,29 @@ int seqlab_amx_attention_backward(const AmxAttentionGrad *a, int nthreads) {
                         const vf m0 = vset1(n0 ? lse[i] : 0.0f), m1 = vset1(n1 ? lse[i + 1] : 0.0f);
                         const vf d0 = vset1(n0 ? delta[i] : 0.0f), d1 = vset1(n1 ? delta[i + 1] : 0.0f);
                         for (int64_t j = 0; j < jw; j += VL) {
-                            const __mmask16 in0 = n0 - j >= VL ? 0xffff : n0 > j ? (__mmask16)((1u << (n0 - j)) - 1) : 0;
-                            const __mmask16 in1 = n1 - j >= VL ? 0xffff : n1 > j ? (__mmask16)((1u << (n1 - j)) - 1) : 0;
+                            const __mmask16 in0 = lanes_below(n0, j), in1 = lanes_below(n1, j);
+                            const vf sc = vset1(a->scale);
                             vf p0 = vzero(), p1 = vzero(), g0 = vzero(), g1 = vzero();
                             if (in0) {
-                                p0 = _mm512_maskz_mov_ps(in0, vexp(vsub(vmul(vload(s + r * tp + j), vset1(a->scale)), m0)));
+                                p0 = _mm512_maskz_mov_ps(in0, vexp(vsub(vmul(vload(s + r * tp + j), sc), m0)));
                                 g0 = vmul(p0, vsub(vload(dp + r * tp + j), d0));
                             }
                             if (in1) {
-                                p1 = _mm512_maskz_mov_ps(in1, vexp(vsub(vmul(vload(s + (r + 1) * tp + j), vset1(a->scale)), m1)));
+                                p1 = _mm512_maskz_mov_ps(in1, vexp(vsub(vmul(vload(s + (r + 1) * tp + j), sc), m1)));
                                 g1 = vmul(p1, vsub(vload(dp + (r + 1) * tp + j), d1));
                             }
                             const __m512i pb0 = bf16_bits(p0), pb1 = bf16_bits(p1);
                             const __m512i gb0 = bf16_bits(g0), gb1 = bf16_bits(g1);
-                            _mm512_storeu_si512(pp + (i / 2) * 2 * tp + 2 * j, _mm512_or_si512(pb0, _mm512_slli_epi32(pb1, 16)));
-                            _mm512_storeu_si512(dsp + (i / 2) * 2 * tp + 2 * j, _mm512_or_si512(gb0, _mm512_slli_epi32(gb1, 16)));
+                            _mm512_storeu_si512(pp + (i / 2) * 2 * tp + 2 * j, paired(pb0, pb1));
+                            _mm512_storeu_si512(dsp + (i / 2) * 2 * tp + 2 * j, paired(gb0, gb1));
                             _mm256_storeu_si256((__m256i *)(dsr + r * tp + j), _mm512_cvtepi32_epi16(gb0));
                             _mm256_storeu_si256((__m256i *)(dsr + (r + 1) * tp + j), _mm512_cvtepi32_epi16(gb1));
                         }
                     }
                     if (!rows) continue;
                     rows_by_pairs(dsr, tp, kv, D, jw / TK, o); /* dQ / scale = dS K, keys the rows see */
-                    for (int64_t r = 0; r < rows; r++) store_bf16_row(dq + (i0 + r) * a->dq_strides[2], o + r * D, D, a->scale);
+                    for (int64_t r = 0; r < rows; r++)
+                        store_bf16_row(dq + (i0 + r) * a->dq_strides[2], o + r * D, D, a->scale);
                 }
                 keys_by_queries(gt, pp, D, tp, dvt);  /* dV^T += dO^T P */
                 keys_by_queries(qt, dsp, D, tp, dkt); /* dK^T += Q^T dS */
@@ -410,7 +417,8 @@ int seqlab_amx_attention_backward(const AmxAttentionGrad *a, int nthreads) {
                     for (int64_t j = 0; j < n; j++)
                         vstore_bf16(dk + (j0 + j) * a->dk_strides[2] + d0, vmul(vload(o + j * TR), vset1(a->scale)));
                     transpose_words((const uint32_t *)(dvt + d0 * tp + j0), tp, TR, (uint32_t *)o, TR);
-                    for (int64_t j = 0; j < n; j++) vstore_bf16(dv + (j0 + j) * a->dv_strides[2] + d0, vload(o + j * TR));
+                    for (int64_t j = 0; j < n; j++)
+                        vstore_bf16(dv + (j0 + j) * a->dv_strides[2] + d0, vload(o + j * TR));
                 }
         }
         if (ok) _tile_release();

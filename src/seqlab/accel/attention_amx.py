@@ -2,10 +2,10 @@
 
 Why: on a CPU with AMX a bf16 step's weight products run near a teraflop, and what is left is mostly vector
 arithmetic; the training attention kernel (``attention_backward.c``) widens bf16 to fp32 and runs its products on
-FMA units, about a quarter of a small model's step (docs/acceleration.md). Here every product is a tile product on the bf16
-operands (fp32 sums), and only the softmax and dS = P (dP - delta) are vector arithmetic. P and dS are rounded to
-bf16 as operands of the next product, as flash attention does in bf16 on GPUs: the gradients agree with fp32
-arithmetic on the same bf16 inputs to about bf16 rounding, not to fp32 rounding as the widening kernel does
+FMA units, about a quarter of a small model's step (docs/acceleration.md). Here every product is a tile product on
+the bf16 operands (fp32 sums), and only the softmax and dS = P (dP - delta) are vector arithmetic. P and dS are
+rounded to bf16 as operands of the next product, as flash attention does in bf16 on GPUs: the gradients agree with
+fp32 arithmetic on the same bf16 inputs to about bf16 rounding, not to fp32 rounding as the widening kernel does
 (tests/accel/test_attention_amx.py states the tolerances).
 
 Whether it runs is decided as for the other training attention builds: timed against SDPA and those builds on the
