@@ -27,6 +27,7 @@ def test_train_resume_eval(tmp_path, text_file, capsys):
     args = ["train", "--objective", "clm", "--data", str(text_file), "--tokenizer", "byte", "--out", str(run),
             "--ckpt-interval", "2", *TINY]
     assert main([*args, "--max-steps", "4"]) == 0
+    assert "[seqlab] timed on this CPU: " in capsys.readouterr().out  # which measured kernels the run took
     recs = _metrics(run)
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     assert all({"step", "loss", "lr", "tokens_per_s"} <= r.keys() for r in recs)

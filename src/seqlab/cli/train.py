@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from seqlab.accel import accelerate
+from seqlab.accel import AccelPlan, accelerate
 from seqlab.io.checkpoint import load_pretrained
 from seqlab.objectives import OBJECTIVES
 from seqlab.runtime.dist import resolve_device
@@ -165,6 +165,19 @@ def make_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(out_dir=args.out, **given)
 
 
+def _accel_line(plan: AccelPlan) -> str:
+    """What ``accelerate(model, "train")`` put in, in one line: each kernel with the dtypes it runs, and how many
+    linear layers left the plain product (a user sees which measured choice the run took; `seqlab info` for inference
+    prints the whole table)."""
+    kernels = [f"{name}: {what}" for name, what in (("GELU", plan.act), ("LayerNorm", plan.norm),
+                                                     ("attention", plan.train_attention),
+                                                     ("cross-entropy", plan.cross_entropy)) if what]
+    shapes = plan.shapes.get(plan.dtype, [])
+    routed = sum(c.count for c in shapes if c.route != "dense")
+    products = f"{routed} of {sum(c.count for c in shapes)} linear layers on a routed product"
+    return "; ".join([*kernels, products]) if kernels else f"torch's ops; {products}"
+
+
 def _load_model_folder(path: Path) -> dict:
     return load_pretrained(path).state_dict()
 
@@ -204,6 +217,8 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, main_rank: bool) -> int:
         # same Parameters: the product routes, the GELU and the causal attention, each where it times faster
         accelerate(run.model, "train", rows=cfg.batch_size * cfg.seq_len, dtype=None, seq_len=cfg.seq_len)
         keep_freed_blocks()  # each step reuses the last step's pages instead of faulting in fresh ones
+        if main_rank and "accel_plan" in run.model.__dict__:
+            print(f"[seqlab] timed on this CPU: {_accel_line(run.model.accel_plan)}", flush=True)
     trainer = Trainer(cfg, run.model, run.objective, run.train_data, run.val_data, tokenizer=run.tokenizer,
                       resume=args.resume, tensorboard_dir=args.tensorboard)
     try:
