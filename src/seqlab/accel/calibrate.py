@@ -265,6 +265,11 @@ def builds_per_dtype(dtypes: Sequence[torch.dtype], key: Callable[[torch.dtype],
     return builds, all_timings
 
 
+def describe_builds(builds: Mapping[torch.dtype, str]) -> str:
+    """``"fp32 on seqlab's kernel (avx512), bf16 on seqlab's kernel (amx)"``: what a per-dtype kernel runs on."""
+    return ", ".join(f"{dtype_name(dt)} on seqlab's kernel ({isa})" for dt, isa in builds.items())
+
+
 def timings_by_size(key: str, sizes: Sequence[int], time_at: Callable[[int], dict[str, float]],
                     use_cache: bool = True) -> dict[str, float]:
     """``{"<candidate>@<size>": seconds}`` for every size, from ``time_at(size)`` (candidate -> seconds) or from the

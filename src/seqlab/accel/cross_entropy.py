@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from seqlab.accel.calibrate import best_of_rounds, builds_per_dtype, dtype_name
+from seqlab.accel.calibrate import best_of_rounds, builds_per_dtype, describe_builds, dtype_name
 from seqlab.objectives.loss import IGNORE_INDEX, release_scratch, token_cross_entropy
 from seqlab.runtime import native
 
@@ -93,7 +93,7 @@ class FusedCrossEntropy:
         return True
 
     def __repr__(self) -> str:
-        return ", ".join(f"{dtype_name(dt)} on seqlab's kernel ({isa})" for dt, isa in self.builds.items())
+        return describe_builds(self.builds)
 
 
 def time_cross_entropy(rows: int, vocab: int, dtype: torch.dtype, candidates: dict[str, FusedCrossEntropy | None],

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from seqlab.accel.calibrate import best_of_rounds, builds_per_dtype, dtype_name
+from seqlab.accel.calibrate import best_of_rounds, builds_per_dtype, describe_builds, dtype_name
 from seqlab.model.layers import MLP, activation_fn
 from seqlab.runtime import native
 
@@ -79,7 +79,7 @@ class FusedGeluTanh:
         return _GeluTanh.apply(x, isa)
 
     def __repr__(self) -> str:
-        return ", ".join(f"{dtype_name(dt)} on seqlab's kernel ({isa})" for dt, isa in self.builds.items())
+        return describe_builds(self.builds)
 
 
 def time_gelus(rows: int, width: int, dtype: torch.dtype, candidates: dict, rounds: int = 5) -> dict[str, float]:

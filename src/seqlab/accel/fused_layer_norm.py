@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from seqlab.accel.calibrate import best_of_rounds, builds_per_dtype, dtype_name
+from seqlab.accel.calibrate import best_of_rounds, builds_per_dtype, describe_builds, dtype_name
 from seqlab.model.layers import LayerNorm
 from seqlab.model.transformer import Block
 from seqlab.runtime import native
@@ -100,7 +100,7 @@ class FusedLayerNorm:
         return _LayerNorm.apply(x, weight, bias, eps, dtype, isa)
 
     def __repr__(self) -> str:
-        return ", ".join(f"{dtype_name(dt)} on seqlab's kernel ({isa})" for dt, isa in self.builds.items())
+        return describe_builds(self.builds)
 
 
 def block_norms(model: nn.Module) -> list[LayerNorm]:

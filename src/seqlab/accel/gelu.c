@@ -7,7 +7,7 @@
  *     d/dx = s + x s (1 - s) 2 u',   s = sigmoid(2u),   u = k (x + c x^3),   u' = k (1 + 3 c x^2).
  * Results agree with torch's to about 1e-6 relative (tested). bf16 tensors in the AVX-512 build take a shorter
  * sigmoid (about 1e-4 relative before the rounding to bf16's 4e-3 step): their errors against fp32 arithmetic
- * measured the same as torch's own bf16 gelu's (docs/acceleration.md, "AMX tiles for the attention").
+ * measured the same as torch's own bf16 gelu's (docs/acceleration.md, "AMX tiles for training's attention").
  */
 #include "simd.h"
 

@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from seqlab.accel import attention_amx
-from seqlab.accel.calibrate import best_of_rounds, builds_per_dtype, dtype_name
+from seqlab.accel.calibrate import best_of_rounds, builds_per_dtype, describe_builds, dtype_name
 from seqlab.accel.prefill_attention import HEAD_DIM_MULTIPLE, SIMD, TILES, causal_attention, takes
 from seqlab.accel.prefill_attention import SOURCE as FORWARD_SOURCE
 from seqlab.accel.prefill_attention import library as forward_library
@@ -142,7 +142,7 @@ class TrainAttention:
                                               is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
 
     def __repr__(self) -> str:
-        return ", ".join(f"{dtype_name(dt)} on seqlab's kernel ({isa})" for dt, isa in self.builds.items())
+        return describe_builds(self.builds)
 
 
 def time_train_attention(n_heads: int, n_kv: int, head_dim: int, batch: int, length: int, dtype: torch.dtype,

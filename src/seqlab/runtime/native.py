@@ -45,10 +45,11 @@ def isa_allowed(isa: str) -> str | None:
         for var, below in _CAPS_BELOW_512.items():
             if os.environ.get(var, "").upper() in {b.upper() for b in below}:
                 return f"{var}={os.environ[var]} caps the ISA below AVX-512"
-    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):  # oneDNN's own AMX limit keeps the tile kernels out too
-        cap = os.environ.get(var, "").upper()
-        if isa == "amx" and cap and "AMX" not in cap and cap not in ("ALL", "DEFAULT"):
-            return f"{var}={os.environ[var]} caps the ISA below AMX"
+    if isa == "amx":  # oneDNN's own limit below AMX keeps the tile kernels out too
+        for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+            cap = os.environ.get(var, "").upper()
+            if cap and "AMX" not in cap and cap not in ("ALL", "DEFAULT"):
+                return f"{var}={os.environ[var]} caps the ISA below AMX"
     return None
 
 
