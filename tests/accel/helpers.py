@@ -61,9 +61,11 @@ def assert_same_prefill_and_next_step(model, plain, got, want, cache, plain_cach
     """An accelerated prefill (``got``, ``cache``) against the plain model's: the logits, every layer's keys and
     values, and the greedy decode step after it agree to ``atol`` (fp32: only the summation order differs)."""
     torch.testing.assert_close(got, want, atol=atol, rtol=atol)
-    for layer in range(len(cache.k)):
-        torch.testing.assert_close(cache.k[layer], plain_cache.k[layer], atol=atol, rtol=atol)
-        torch.testing.assert_close(cache.v[layer], plain_cache.v[layer], atol=atol, rtol=atol)
+    n = plain_cache.pos
+    assert cache.pos == n
+    for layer in range(len(cache.k)):  # the slots written (the rest is unfilled memory)
+        torch.testing.assert_close(cache.k[layer][:, :, :n], plain_cache.k[layer][:, :, :n], atol=atol, rtol=atol)
+        torch.testing.assert_close(cache.v[layer][:, :, :n], plain_cache.v[layer][:, :, :n], atol=atol, rtol=atol)
     tok = got.argmax(-1)
     torch.testing.assert_close(decode_step(model, tok, cache), decode_step(plain, tok, plain_cache), atol=atol,
                                rtol=atol)

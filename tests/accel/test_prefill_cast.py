@@ -81,7 +81,7 @@ def test_a_cast_prefill_fills_the_fp32_cache_and_decoding_continues_in_fp32():
         got, want = prefill(model, ids, c1), prefill(plain, ids, c2)
         assert got.dtype == torch.float32 and c1.k[0].dtype == torch.float32
         torch.testing.assert_close(got, want, atol=BF16_ATOL, rtol=0)
-        assert not torch.equal(c1.k[0], c2.k[0])  # the products really ran in bf16
+        assert not torch.equal(c1.k[0][:, :, :9], c2.k[0][:, :, :9])  # the products really ran in bf16
         tok = want.argmax(-1)
         torch.testing.assert_close(decode_step(model, tok, c1), decode_step(plain, tok, c2), atol=BF16_ATOL, rtol=0)
 
@@ -102,7 +102,7 @@ def test_an_onednn_prefill_is_fp32_and_runs_its_products_on_onednn(monkeypatch):
         c1, c2 = model.new_cache(2, 16), plain.new_cache(2, 16)
         got, want = prefill(model, ids, c1), prefill(plain, ids, c2)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)  # fp32: only the summation order differs
-        torch.testing.assert_close(c1.k[0], c2.k[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c1.k[0][:, :, :9], c2.k[0][:, :, :9], atol=1e-5, rtol=1e-5)  # slots written
         # every layer's products: the last layer's after its K/V on each row's last position only; then the head
         body, head = calls[:-1], calls[-1]
         assert len(body) >= 2 * 4 and all(shape[:2] in ((2, 9), (2, 1)) for shape in body)

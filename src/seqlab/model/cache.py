@@ -31,8 +31,11 @@ class KVCache:
         device: torch.device | str | None = None,
     ):
         shape = (batch_size, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        # Unfilled: attention reads only slots [0, pos), and every row writes each of them (``update``) before they
+        # are read, padding and rolled-back slots included. Zeros cost a pass over the whole cache per request, and
+        # its whole size in resident memory up front, however little of the context a request uses.
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.pos = 0
         self.max_len = max_len

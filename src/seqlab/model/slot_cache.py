@@ -25,6 +25,10 @@ class SlotKVCache(KVCache):
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
         super().__init__(n_layers, n_slots, n_kv_heads, head_dim, max_len, dtype=dtype, device=device)
+        # Unlike the base cache, a step here reads slots some rows never wrote (masked through ``valid``): a masked
+        # weight is exactly 0, but 0 times a NaN left in unfilled memory is NaN, so the storage starts as zeros.
+        for t in (*self.k, *self.v):
+            t.zero_()
         self.n_slots = n_slots
         self.active = 0  # live rows are [0, active)
         self.fill = torch.zeros(n_slots, dtype=torch.long, device=device)  # tokens held by each row
