@@ -91,6 +91,9 @@ def test_per_row_crop_leaves_harmless_holes():
     ref1 = model(torch.cat([ids[1:, :5], junk[1:, :2], ids[1:, 5:6]], 1))[:, -1]
     assert (out[0, -1] - ref0[0]).abs().max() < TOL
     assert (out[1, -1] - ref1[0]).abs().max() < TOL
+    for bad in ([5, cache.pos + 1], [-1, 6]):  # past the filled slots (unfilled memory), or before the first: refused
+        with pytest.raises(ValueError, match="outside the filled range"):
+            cache.crop(torch.tensor(bad))
 
 
 def test_reorder_selects_rows():

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from seqlab.generate.engine import decode_step, prefill
+from seqlab.model.cache import KVCache
 from seqlab.model.slot_cache import SlotKVCache
 from tests.generate.gen_helpers import tiny_decoder
 
@@ -65,3 +66,7 @@ def test_slot_limits_are_errors():
         slots.release_row(3)
     with pytest.raises(ValueError, match="one real token"):
         slots.reserve(2)
+    source = KVCache(1, 1, 1, 2, 4)
+    source.pos = 2  # two positions written
+    with pytest.raises(ValueError, match="3 positions asked of a cache that holds 2"):
+        slots.load_row(0, source, 3)

@@ -96,9 +96,12 @@ class KVCache:
         """
         if isinstance(n, Tensor):
             n = n.to(self.valid.device)
+            lo, hi = int(n.min()), int(n.max())
+            if lo < 0 or hi > self.pos:  # past pos would expose slots never written (the cache starts unfilled)
+                raise ValueError(f"crop({n.tolist()}) outside the filled range [0, {self.pos}]")
             slots = torch.arange(self.max_len, device=self.valid.device)
             self.valid &= slots[None, :] < n[:, None]
-            self.pos = int(n.max())
+            self.pos = hi
             self.dense = self.dense and bool((n == self.pos).all())
         else:
             if not 0 <= n <= self.pos:

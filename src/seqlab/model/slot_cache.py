@@ -117,6 +117,8 @@ class SlotKVCache(KVCache):
         """Copy the first ``n`` positions of row 0 of ``source`` (a request's own prefill cache) into ``row``."""
         if n > self.max_len:
             raise CacheOverflowError(f"a {n}-token prefix does not fit a {self.max_len}-position slot")
+        if not 0 <= n <= source.pos:  # beyond it the source holds unfilled memory, which would become valid here
+            raise ValueError(f"load_row: {n} positions asked of a cache that holds {source.pos}")
         for layer in range(len(self.k)):
             self.k[layer][row, :, :n] = source.k[layer][0, :, :n]
             self.v[layer][row, :, :n] = source.v[layer][0, :, :n]
