@@ -40,12 +40,16 @@ def _ids(rows: int, length: int, seed: int = 1):
     return torch.randint(0, 211, (rows, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _compare_steps(model, isa: str, rows: int = 3, steps: int = 4, atol: float = FP32_ATOL, mask=None):
-    """Decode ``steps`` tokens twice from the same prefill, plain and fused, comparing logits and every K/V."""
+def _compare_steps(model, isa: str, rows: int = 3, steps: int = 4, atol: float = FP32_ATOL, mask=None,
+                   nan_filled: bool = False):
+    """Decode ``steps`` tokens twice from the same prefill, plain and fused, comparing logits and every K/V.
+    ``nan_filled``: both caches start as NaN (a cache starts unfilled: no step may read a slot not yet written)."""
     ids = _ids(rows, 7)
     fused = FusedDecodeStep(model, isa)
     with torch.inference_mode():
         plain_cache, fused_cache = model.new_cache(rows, 32), model.new_cache(rows, 32)
+        for t in (*plain_cache.k, *plain_cache.v, *fused_cache.k, *fused_cache.v) if nan_filled else ():
+            t.fill_(float("nan"))
         tok = prefill(model, ids, plain_cache, mask).argmax(-1)
         prefill(model, ids, fused_cache, mask)
         for _ in range(steps):
@@ -84,6 +88,7 @@ def test_left_padded_rows_mask_their_holes(isa):
     mask[0, :3] = 0
     mask[2, :1] = 0
     _compare_steps(_model("llama-gqa-tied"), isa, mask=mask)
+    _compare_steps(_model("llama-gqa-tied"), isa, mask=mask, nan_filled=True)
 
 
 @pytest.mark.parametrize("isa", ISAS)
