@@ -2,7 +2,7 @@
 
 Every cache built here starts as NaN instead of whatever memory held (often zeros, which would hide a stray read):
 greedy, a left-padded batch, beam search (reorders rows), speculative decoding (rolls rows back per row) and the
-serving slots (whose decode steps do read unwritten, masked slots, so that cache zero-fills its storage) must give
+serving slots (whose decode steps do read unwritten, masked slots, so that cache's storage is zeros) must give
 exactly what they give on zero-filled caches.
 """
 from __future__ import annotations
@@ -13,8 +13,9 @@ from gen_helpers import tiny_decoder
 
 from seqlab.generate import GenerationConfig, generate_output
 from seqlab.generate.engine import decode_step, prefill
-from seqlab.model.cache import KVCache
+from seqlab.model import cache as cache_module
 from seqlab.model.slot_cache import SlotKVCache
+from seqlab.runtime.memory import zeros_on_demand
 
 PROMPTS = [[5, 9, 13, 2, 7, 31, 4], [11, 3], [40, 41, 42, 1, 17]]
 
@@ -26,14 +27,9 @@ def left_pad(prompts, pad=0):
 
 
 def _filled_with(value: float, monkeypatch) -> None:
-    init = KVCache.__init__
-
-    def filled_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        for t in (*self.k, *self.v):
-            t.fill_(value)
-
-    monkeypatch.setattr(KVCache, "__init__", filled_init)
+    """Every cache allocated with the default storage starts as ``value``."""
+    monkeypatch.setattr(cache_module, "unfilled", lambda shape, dtype, device: torch.full(shape, value, dtype=dtype,
+                                                                                          device=device))
 
 
 CONFIGS = {
@@ -64,11 +60,12 @@ def test_no_path_reads_an_unwritten_slot(name, monkeypatch):
 
 
 @torch.no_grad()
-def test_serving_slots_start_zeroed_so_masked_slots_stay_harmless(monkeypatch):
+@pytest.mark.parametrize("storage", [None, zeros_on_demand], ids=["default", "zeros on demand (the server's)"])
+def test_serving_slots_start_zeroed_so_masked_slots_stay_harmless(storage, monkeypatch):
     _filled_with(float("nan"), monkeypatch)
     model = tiny_decoder().double()
     cfg = model.config
-    slots = SlotKVCache(cfg.n_layers, 3, cfg.n_kv_heads, cfg.head_dim, 32, dtype=torch.float64)
+    slots = SlotKVCache(cfg.n_layers, 3, cfg.n_kv_heads, cfg.head_dim, 32, dtype=torch.float64, storage=storage)
     alone = []
     for p in ([5, 7, 9], [1, 2, 3, 4, 5, 6, 7, 8]):  # rows at different fills: the short row's tail is masked
         own = model.new_cache(1, 32, dtype=torch.float64)

@@ -90,6 +90,19 @@ def test_weights_move_onto_huge_pages_keeping_identity_values_and_ties():
     assert _anon_huge_kib() - before >= 2 << 10  # at least one 2 MiB page backs the weights
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zeros_on_demand_are_zeros_resident_only_where_touched(dtype):
+    before = _rss_anon_kib()
+    t = memory.zeros_on_demand((64, 1024, 1024), dtype)  # 128-256 MiB
+    assert t.shape == (64, 1024, 1024) and t.dtype == dtype and t.is_contiguous()
+    assert _rss_anon_kib() - before < 16 << 10  # torch.zeros would make all of it resident now
+    t[3, :8] = 1.5  # writable; the touched pages (32 KiB) become resident, nothing else
+    assert _rss_anon_kib() - before < 16 << 10
+    assert t[3, :8].eq(1.5).all() and t[:3].count_nonzero() == 0 and t[3, 8:].count_nonzero() == 0
+    small = memory.zeros_on_demand((3, 5), dtype)  # under a page: plain zeros
+    assert torch.equal(small, torch.zeros(3, 5, dtype=dtype))
+
+
 def test_no_huge_pages_means_nothing_moves(monkeypatch):
     monkeypatch.setattr(memory, "huge_pages_available", lambda: False)
     t = torch.randn(100)

@@ -10,6 +10,7 @@ are harmless.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -17,6 +18,16 @@ from torch import Tensor
 
 class CacheOverflowError(RuntimeError):
     """Raised instead of silently wrapping when a write would exceed the cache's ``max_len``."""
+
+
+def unfilled(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> Tensor:
+    """A cache's default storage. Attention reads only slots [0, pos), and every row writes each of them
+    (``update``) before they are read, padding and rolled-back slots included. Zeros would cost a pass over the
+    whole cache per request, and its whole size in resident memory up front, however little of it is used."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+Storage = Callable[[tuple[int, ...], torch.dtype, "torch.device | str | None"], Tensor]
 
 
 class KVCache:
@@ -29,13 +40,13 @@ class KVCache:
         max_len: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        storage: Storage | None = None,
     ):
+        """``storage(shape, dtype, device)`` allocates each layer's keys and values (default :func:`unfilled`)."""
         shape = (batch_size, n_kv_heads, max_len, head_dim)
-        # Unfilled: attention reads only slots [0, pos), and every row writes each of them (``update``) before they
-        # are read, padding and rolled-back slots included. Zeros cost a pass over the whole cache per request, and
-        # its whole size in resident memory up front, however little of the context a request uses.
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        alloc = storage or unfilled
+        self.k = [alloc(shape, dtype, device) for _ in range(n_layers)]
+        self.v = [alloc(shape, dtype, device) for _ in range(n_layers)]
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.pos = 0
         self.max_len = max_len

@@ -18,17 +18,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from seqlab.model.cache import CacheOverflowError, KVCache
+from seqlab.model.cache import CacheOverflowError, KVCache, Storage
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class SlotKVCache(KVCache):
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
-        super().__init__(n_layers, n_slots, n_kv_heads, head_dim, max_len, dtype=dtype, device=device)
-        # Unlike the base cache, a step here reads slots some rows never wrote (masked through ``valid``): a masked
-        # weight is exactly 0, but 0 times a NaN left in unfilled memory is NaN, so the storage starts as zeros.
-        for t in (*self.k, *self.v):
-            t.zero_()
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 storage: Storage | None = None):
+        """``storage`` must return zeros (default ``torch.zeros``; a server passes zeros the OS supplies on first
+        touch): unlike the base cache, a step here reads slots some rows never wrote, masked through ``valid``,
+        and a masked weight is exactly 0, but 0 times a NaN left in unfilled memory is NaN."""
+        super().__init__(n_layers, n_slots, n_kv_heads, head_dim, max_len, dtype=dtype, device=device,
+                         storage=storage or _zeros)
         self.n_slots = n_slots
         self.active = 0  # live rows are [0, active)
         self.fill = torch.zeros(n_slots, dtype=torch.long, device=device)  # tokens held by each row

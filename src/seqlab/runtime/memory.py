@@ -6,13 +6,15 @@ peaked once (a burst of requests of many shapes) keeps that resident set afterwa
 another OS) this is a no-op. :func:`map_large_blocks` keeps large transient buffers out of the heap altogether,
 :func:`keep_freed_blocks` does the opposite for a training process (the next step reuses the last step's
 pages), :class:`TrimOnGrowth` bounds what that kept heap may grow to when the sizes drift from step to step,
-:func:`move_to_huge_pages` puts long-lived weights on 2 MiB pages, and :class:`ScratchPool` hands a training step's
-largest tensors back to the next step instead of faulting in fresh pages.
+:func:`move_to_huge_pages` puts long-lived weights on 2 MiB pages, :func:`zeros_on_demand` makes a worst-case
+buffer resident only where it is used, and :class:`ScratchPool` hands a training step's largest tensors back to the
+next step instead of faulting in fresh pages.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import math
 import mmap
 from dataclasses import dataclass
 from functools import lru_cache
@@ -159,6 +161,21 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor | None:
             whole.data_ptr() + start, size, _MADV_HUGEPAGE) != 0:
         return None
     return whole[start:start + size]
+
+
+def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None = None
+                    ) -> torch.Tensor:
+    """Zeros whose pages the OS supplies on first touch, so that untouched parts cost no memory.
+
+    Why: ``torch.zeros`` writes every byte, so a buffer sized for the worst case (a server's KV slots, every
+    request at full context) is resident in full from the start. An anonymous mapping reads as zeros and is
+    resident only where touched. CPU tensors of at least a page; anything else is ``torch.zeros``.
+    """
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if torch.device(device or "cpu").type != "cpu" or nbytes < mmap.PAGESIZE:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)  # holds ``region`` alive
 
 
 def move_to_huge_pages(tensors: list[torch.Tensor], align: int = 64) -> int:

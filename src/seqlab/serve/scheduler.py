@@ -32,7 +32,7 @@ import torch
 from seqlab.generate.engine import decode_step, prefill
 from seqlab.generate.sampling import LogitsProcessor, SamplingParams
 from seqlab.model.slot_cache import SlotKVCache
-from seqlab.runtime.memory import map_large_blocks, trim_heap
+from seqlab.runtime.memory import map_large_blocks, trim_heap, zeros_on_demand
 from seqlab.serve.text import ReplyText
 
 _GREEDY = LogitsProcessor(SamplingParams(do_sample=False))
@@ -124,7 +124,7 @@ class Engine:
         p = next(model.parameters())
         self.scratch = model.new_cache(1, self.context, dtype=p.dtype, device=p.device)  # also grows rotary tables
         self.cache = SlotKVCache(cfg.n_layers, max_batch, cfg.n_kv_heads, cfg.head_dim, self.context,
-                                 dtype=p.dtype, device=p.device)
+                                 dtype=p.dtype, device=p.device, storage=zeros_on_demand)  # resident as used
         self.device = p.device
         self.rows: list[Request] = []  # rows[i] is the request in live slot i
         self.waiting: deque[Request] = deque()
