@@ -171,7 +171,7 @@ def zeros_on_demand(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     request at full context) is resident in full from the start. An anonymous mapping reads as zeros and is
     resident only where touched. CPU tensors of at least a page; anything else is ``torch.zeros``.
     """
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if torch.device(device or "cpu").type != "cpu" or nbytes < mmap.PAGESIZE:
         return torch.zeros(shape, dtype=dtype, device=device)
     region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
