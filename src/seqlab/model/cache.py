@@ -27,7 +27,7 @@ def unfilled(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-Storage = Callable[[tuple[int, ...], torch.dtype, "torch.device | str | None"], Tensor]
+Storage = Callable[..., Tensor]  # storage(shape, dtype=..., device=...), as torch.empty and torch.zeros take them
 
 
 class KVCache:
@@ -42,11 +42,11 @@ class KVCache:
         device: torch.device | str | None = None,
         storage: Storage | None = None,
     ):
-        """``storage(shape, dtype, device)`` allocates each layer's keys and values (default :func:`unfilled`)."""
+        """``storage(shape, dtype=, device=)`` allocates each layer's keys and values (default :func:`unfilled`)."""
         shape = (batch_size, n_kv_heads, max_len, head_dim)
         alloc = storage or unfilled
-        self.k = [alloc(shape, dtype, device) for _ in range(n_layers)]
-        self.v = [alloc(shape, dtype, device) for _ in range(n_layers)]
+        self.k = [alloc(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [alloc(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.valid = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.pos = 0
         self.max_len = max_len

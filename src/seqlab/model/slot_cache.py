@@ -21,10 +21,6 @@ from torch import Tensor
 from seqlab.model.cache import CacheOverflowError, KVCache, Storage
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str | None) -> Tensor:
-    return torch.zeros(shape, dtype=dtype, device=device)
-
-
 class SlotKVCache(KVCache):
     def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, head_dim: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
@@ -33,7 +29,7 @@ class SlotKVCache(KVCache):
         touch): unlike the base cache, a step here reads slots some rows never wrote, masked through ``valid``,
         and a masked weight is exactly 0, but 0 times a NaN left in unfilled memory is NaN."""
         super().__init__(n_layers, n_slots, n_kv_heads, head_dim, max_len, dtype=dtype, device=device,
-                         storage=storage or _zeros)
+                         storage=storage or torch.zeros)
         self.n_slots = n_slots
         self.active = 0  # live rows are [0, active)
         self.fill = torch.zeros(n_slots, dtype=torch.long, device=device)  # tokens held by each row
