@@ -21,6 +21,10 @@ in the same run mean anything.
   the accelerated copy chose): the time
   a decode step would take if it did nothing but stream the weights once. ``bound / step`` is the fraction of
   each step that is weight streaming (1.0 = no overhead at all).
+* TTFT's arithmetic bound (fp32 rows): the FLOPs no prefill of the prompt can skip (:func:`prefill_flops`) at the
+  rate of a 2048-square fp32 product timed in each round. A long prefill is compute-bound, so this is its floor as
+  the weight bound is a decode step's; ``HF / bound`` is the best ratio to HF any fp32 prefill could reach in that
+  run (above 1 in ``bound / TTFT``: a bf16 route beat fp32's floor).
 """
 from __future__ import annotations
 
@@ -136,6 +140,55 @@ def weight_bound_ms(model, batch: int, repeats: int = 10, clock=None, packed=Non
     return out
 
 
+def matmul_peak(dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
+    """The fastest square product this machine has in ``dtype`` (FLOP/s): MKL's (``a @ b``) or, in fp32, oneDNN's
+    (what the accel routes run). On an AMD EPYC MKL's fp32 product runs at half oneDNN's rate, and an MFU over MKL's
+    alone passed 100 %."""
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    kernels = [lambda: a @ b]
+    onednn = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+    if onednn is not None and dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        kernels.append(lambda: onednn(a, b, None, "none", [], ""))  # a @ b.T: the same FLOPs
+    best = float("inf")
+    for kernel in kernels:
+        for _ in range(2):
+            kernel()
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(reps):
+                kernel()
+            best = min(best, (time.perf_counter() - t) / reps)
+    return 2 * n**3 / best
+
+
+def prefill_flops(cfg: ModelConfig, prompt_len: int) -> float:
+    """The arithmetic no prefill of ``prompt_len`` tokens can skip, for a decoder with ``cfg``'s shapes.
+
+    Every layer's products on every position, but the last layer's queries, output and MLP on the last position
+    only (its keys and values still go into the cache); the causal half of each attention product
+    (``T(T+1)/2`` query-key pairs); the LM head on one row. What seqlab computes, and no more than HF does.
+    """
+    T, d, hd = prompt_len, cfg.d_model, cfg.head_dim
+    q, kv = cfg.n_heads * hd, 2 * cfg.n_kv_heads * hd
+    mlp = (3 if cfg.mlp == "swiglu" else 2) * d * cfg.d_ff
+    query_side = d * q + q * d + mlp  # per row: the query product, the output product, the MLP
+    pairs = T * (T + 1) // 2
+    layer = T * (d * kv + query_side) + 2 * cfg.n_heads * hd * pairs
+    last = T * d * kv + query_side + 2 * cfg.n_heads * hd * T
+    return 2.0 * ((cfg.n_layers - 1) * layer + last + d * cfg.vocab_size)
+
+
+def prefill_bound_ms(cfg: ModelConfig, prompt_len: int) -> float:
+    """An fp32 prefill's floor on this machine now: :func:`prefill_flops` at the 2048-square product's rate.
+
+    Why: a long prompt's prefill is compute-bound, so, as the weight-streaming bound does for a decode step, this
+    says how much of a TTFT any implementation could still take off, and the best ratio to HF any fp32 prefill
+    could reach in the same run (HF's TTFT over the bound). Taken once per round, interleaved with the TTFTs, so a
+    slow phase of the machine moves both.
+    """
+    return prefill_flops(cfg, prompt_len) / matmul_peak(torch.float32, 2048, reps=2) * 1e3
+
+
 CLOCK = time.perf_counter
 
 
@@ -228,19 +281,31 @@ def run_benchmark(bc: BenchConfig, log=print) -> dict:
         ttft: dict[str, list[float]] = {k: [] for k in runs}
         for fn in runs.values():
             fn()  # warm-up
+        bounds = []
         for _ in range(bc.repeats):
             for name, fn in runs.items():
                 ttft[name].append(_time(fn))
+            if dname == "fp32":
+                bounds.append(prefill_bound_ms(model.config, bc.ttft_prompt_len))
+        bound = statistics.median(bounds) if bounds else None
+        if bound is not None:
+            log(f"{dname:5s} TTFT {bc.ttft_prompt_len}-token prompt fp32 arithmetic bound: {bound:7.1f} ms")
         copies = {"seqlab+accel": packed, "seqlab default": default}
         for name, s in ttft.items():
             route = prefill_route(copies.get(name))
-            results["ttft"].append({"dtype": dname, "impl": name, "prompt_len": bc.ttft_prompt_len,
-                                    "ttft_ms": statistics.median(s) * 1e3, "samples_ms": [x * 1e3 for x in s],
+            ms = statistics.median(s) * 1e3
+            results["ttft"].append({"dtype": dname, "impl": name, "prompt_len": bc.ttft_prompt_len, "ttft_ms": ms,
+                                    "samples_ms": [x * 1e3 for x in s], **bound_fields(bound, ms),
                                     **({"prefill_route": route} if route else {})})
-            log(f"{dname:5s} TTFT {bc.ttft_prompt_len}-token prompt {name:14s}: {statistics.median(s) * 1e3:7.1f} ms"
-                + (f"  (prefill: {route})" if route else ""))
+            log(f"{dname:5s} TTFT {bc.ttft_prompt_len}-token prompt {name:14s}: {ms:7.1f} ms"
+                + (f"  ({bound / ms:.0%} of the bound)" if bound else "") + (f"  (prefill: {route})" if route else ""))
         del model, hf, packed, default
     return results
+
+
+def bound_fields(bound_ms: float | None, ttft_ms: float) -> dict:
+    """A TTFT row's arithmetic bound and the fraction of it reached (above 1 where a bf16 route beats fp32's floor)."""
+    return {} if bound_ms is None else {"bound_ms": bound_ms, "frac_of_bound": bound_ms / ttft_ms}
 
 
 def packed_copy(model, rows: int, for_: str = "decode", dtype=None):
@@ -274,10 +339,22 @@ def ratio_table(results: dict) -> str:
         lines.append(f"| {dt} | {b} | {impl} | {r['decode_tok_s']:.1f} | {r['ms_per_step']:.2f} | {ratio} | "
                      f"{r['bound_ms']:.2f} | {r['frac_of_bound']:.0%} |")
     lines.append("")
-    lines.append("| dtype | impl | TTFT ms | vs HF |")
-    lines.append("|---|---|---|---|")
-    t = {(x["dtype"], x["impl"]): x["ttft_ms"] for x in results["ttft"]}
-    for (dt, impl), ms in t.items():
-        hf_t = t.get((dt, "hf"))
-        lines.append(f"| {dt} | {impl} | {ms:.1f} | {hf_t / ms:.2f}x |" if hf_t else f"| {dt} | {impl} | {ms:.1f} | - |")
+    lines.append(ttft_table({(x["dtype"], x["impl"]): x for x in results["ttft"]}, "ttft_ms"))
+    return "\n".join(lines)
+
+
+def ttft_table(rows: dict, key: str, extra: dict | None = None) -> str:
+    """Markdown table of TTFT rows keyed ``(dtype, impl)``: ms, vs HF, the fp32 arithmetic bound, the fraction of it
+    reached, and the best ratio to HF any prefill at the bound could reach; ``extra`` adds one column
+    (``{"header": ..., "cells": {(dtype, impl): text}}``)."""
+    head = "| dtype | impl | TTFT ms | vs HF | fp32 bound ms | bound / TTFT | HF / bound |"
+    lines = [head + (f" {extra['header']} |" if extra else ""), "|---" * (7 + bool(extra)) + "|"]
+    for (dt, impl), r in rows.items():
+        ms, hf = r[key], rows.get((dt, "hf"), {}).get(key)
+        bound = r.get("bound_ms")
+        cells = [dt, impl, f"{ms:.1f}", f"{hf / ms:.2f}x" if hf else "-", f"{bound:.1f}" if bound else "-",
+                 f"{r['frac_of_bound']:.0%}" if bound else "-", f"{hf / bound:.2f}x" if bound and hf else "-"]
+        if extra:
+            cells.append(extra["cells"].get((dt, impl), "-"))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

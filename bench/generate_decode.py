@@ -9,7 +9,8 @@
 Prints a markdown table and writes bench/results/generate_decode.json. The model is Llama-style: 6 layers,
 d=512, 8 heads, SwiGLU d_ff=1408, vocab 32000, untied LM head. The weight-streaming bound (every weight matrix
 times one activation row, back to back) is measured in the same run; "bound / step" is the fraction of a decode
-step that is weight streaming (1.0 = no overhead at all). Runs are interleaved and the median is reported: the
+step that is weight streaming (1.0 = no overhead at all); the TTFT rows' arithmetic bound, a prefill's FLOPs at
+the square fp32 product's rate, is its compute-bound twin. Runs are interleaved and the median is reported: the
 machine is shared, so compare ratios from one run.
 """
 from __future__ import annotations

@@ -9,7 +9,9 @@ and only ratios from the same run mean anything:
 
 * batch-1 and batch-8 decode tok/s: ``new / (t(prompt -> 1 + new tokens) - t(prompt -> 1 token))``, so prefill
   and the first token are subtracted the same way for both libraries. EOS is disabled (HF: ``min_new_tokens``).
-* TTFT: a 512-token prompt, one new token.
+* TTFT: a 512-token prompt, one new token; for fp32, against the prefill's arithmetic bound (its FLOPs at the
+  rate of a 2048-square fp32 product timed each round; ``bench/decode_bench.py``), the compute-bound twin of
+  the weight-streaming bound below.
 * allocator: the process keeps freed blocks, as ``seqlab generate`` and ``chat`` do (``bench/decode_bench.py`` says
   why); HF shares the process and the allocator.
 * columns: ``seqlab`` (dense weights, as ``load_gguf`` returns them), ``seqlab+accel`` (after
@@ -48,7 +50,8 @@ from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E40
 from seqlab.accel import accelerate  # noqa: E402
 from seqlab.cli.packaged import SMOLLM2_CHATS, packaged_smollm2  # noqa: E402
 from seqlab.runtime.memory import keep_freed_blocks  # noqa: E402
-from decode_bench import default_copy, packed_copy, prefill_route, weight_bound_ms  # noqa: E402
+from decode_bench import (bound_fields, default_copy, packed_copy, prefill_bound_ms, prefill_route,  # noqa: E402
+                          ttft_table, weight_bound_ms)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PROMPTS = [
@@ -169,15 +172,23 @@ def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats
         for fn in impls.values():
             fn(1)()
         t = {k: [] for k in impls}
+        bounds = []
         for _ in range(repeats):
             for name, fn in impls.items():
                 t[name].append(_time(fn(1)))
+            if dname == "fp32":
+                bounds.append(prefill_bound_ms(model.config, ttft_len))
+        bound = statistics.median(bounds) if bounds else None
+        if bound is not None:
+            log(f"{dname} TTFT {ttft_len} tokens fp32 arithmetic bound: {bound:7.1f} ms")
         for name, s in t.items():
             route = prefill_route(copies.get(name))
-            out["ttft"].append({"dtype": dname, "impl": name, "prompt_len": ttft_len, "ms": statistics.median(s) * 1e3,
-                                "samples_ms": [x * 1e3 for x in s], **({"prefill_route": route} if route else {})})
-            log(f"{dname} TTFT {ttft_len} tokens {name:14s}: {statistics.median(s) * 1e3:7.1f} ms"
-                + (f"  (prefill: {route})" if route else ""))
+            ms = statistics.median(s) * 1e3
+            out["ttft"].append({"dtype": dname, "impl": name, "prompt_len": ttft_len, "ms": ms,
+                                "samples_ms": [x * 1e3 for x in s], **bound_fields(bound, ms),
+                                **({"prefill_route": route} if route else {})})
+            log(f"{dname} TTFT {ttft_len} tokens {name:14s}: {ms:7.1f} ms"
+                + (f"  ({bound / ms:.0%} of the bound)" if bound else "") + (f"  (prefill: {route})" if route else ""))
         del model, hf
     return out
 
@@ -221,8 +232,7 @@ def peak_rss(path: Path, dtypes, ttft_len: int, threads: int | None = None, log=
 
 def table(res: dict) -> str:
     d = {(r["dtype"], r["batch"], r["impl"]): r for r in res["decode"]}
-    t = {(r["dtype"], r["impl"]): r["ms"] for r in res["ttft"]}
-    m = {(r["dtype"], r["impl"]): r["peak_rss_mib"] for r in res.get("rss", [])}
+    m = {(r["dtype"], r["impl"]): f"{r['peak_rss_mib']:.0f}" for r in res.get("rss", [])}
     lines = ["| dtype | batch | impl | tok/s | HF tok/s | vs HF | bound tok/s | % of bound |",
              "|---|---|---|---|---|---|---|---|"]
     for (dt, b, impl), r in d.items():
@@ -231,11 +241,8 @@ def table(res: dict) -> str:
         h = d.get((dt, b, "hf"))
         vs = (f"{h['tok_s']:.1f} | {r['tok_s'] / h['tok_s']:.2f}x") if h else "- | -"
         lines.append(f"| {dt} | {b} | {impl} | {r['tok_s']:.1f} | {vs} | {b / r['bound_ms'] * 1e3:.1f} | {r['frac_of_bound']:.0%} |")
-    lines += ["", "| dtype | impl | TTFT ms | vs HF | peak RSS MiB |", "|---|---|---|---|---|"]
-    f = lambda x: f"{x:.0f}" if x is not None else "-"  # noqa: E731
-    for (dt, impl), ms in t.items():
-        h = t.get((dt, "hf"))
-        lines.append(f"| {dt} | {impl} | {ms:.0f} | {f'{h / ms:.2f}x' if h else '-'} | {f(m.get((dt, impl)))} |")
+    lines += ["", ttft_table({(r["dtype"], r["impl"]): r for r in res["ttft"]}, "ms",
+                             {"header": "peak RSS MiB", "cells": m})]
     return "\n".join(lines)
 
 

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from decode_bench import matmul_peak  # noqa: E402
 from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
 
 from seqlab.accel import accelerate  # noqa: E402
@@ -52,27 +53,6 @@ from seqlab.runtime.memory import keep_freed_blocks  # noqa: E402
 
 
 PRECISION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def matmul_peak(dtype: torch.dtype, n: int = 1024, reps: int = 10) -> float:
-    """The fastest square product this machine has in ``dtype``: MKL's (``a @ b``) or, in fp32, oneDNN's (what the
-    accel routes run). On an AMD EPYC MKL's fp32 product runs at half oneDNN's rate, and an MFU over MKL's alone
-    passed 100 %."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    kernels = [lambda: a @ b]
-    onednn = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
-    if onednn is not None and dtype == torch.float32 and torch.backends.mkldnn.is_available():
-        kernels.append(lambda: onednn(a, b, None, "none", [], ""))  # a @ b.T: the same FLOPs
-    best = float("inf")
-    for kernel in kernels:
-        for _ in range(2):
-            kernel()
-        for _ in range(3):
-            t = time.perf_counter()
-            for _ in range(reps):
-                kernel()
-            best = min(best, (time.perf_counter() - t) / reps)
-    return 2 * n**3 / best
 
 
 SQUARE_SIZES = (1024, 2048, 4096)
