@@ -205,3 +205,16 @@ def test_agrees_with_hugging_face_warpers():
 def test_invalid_values_raise_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} must be"):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-20, 1e-12])
+def test_a_tiny_temperature_samples_the_argmax(temperature: float):
+    """logits / 1e-40 overflows float32 to inf, and softmax over an inf row is NaN (multinomial refused it):
+    a tiny positive temperature must behave as its limit, greedy, with ties kept."""
+    z = torch.tensor([[1.0, 3.0, -2.0, float("-inf"), 2.5], [0.5, 0.5, -1.0, 0.0, 0.25]])
+    proc = LogitsProcessor(SamplingParams(temperature=temperature, top_p=0.9))
+    probs = proc.probs(z)
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs[0], torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(probs[1], torch.tensor([0.5, 0.5, 0.0, 0.0, 0.0]))
+    assert proc.select(z, generator=torch.Generator().manual_seed(0))[0].item() == 1

@@ -128,6 +128,8 @@ def test_seeded_sampling_repeats(server):
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "the " * 3000}]}, "messages"),
     ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"functions": [{"name": "f", "parameters": {}}], "function_call": "auto"}, "functions"),
+    ({"max_tokens": 2048}, "messages"),  # prompt + max_tokens past the context of 2048
 ])
 def test_bad_fields_are_400_naming_the_field(server, body, param):
     url, _ = server
@@ -136,6 +138,51 @@ def test_bad_fields_are_400_naming_the_field(server, body, param):
         client(url).chat.completions.create(**kw)
     assert e.value.status_code == 400 and e.value.body["param"] == param
     assert param in e.value.body["message"]
+
+
+def test_context_overflow_and_a_completion_asking_for_logprobs_are_400(server):
+    """OpenAI answers a request whose prompt and max_tokens pass the context with 400, not a quietly shorter
+    reply; a completion's ``logprobs: 0`` asks for the sampled tokens' log-probabilities (0 == false in Python)."""
+    url, _ = server
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=2048)
+    assert e.value.body["code"] == "context_length_exceeded" and "max_tokens 2048" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).completions.create(model=MODEL_ID, prompt="the cat", logprobs=0)
+    assert e.value.body["param"] == "logprobs"
+
+
+def test_null_means_the_default_and_a_completion_defaults_to_16_tokens(server, reference):
+    url, _ = server
+    status, body = post(f"{url}/v1/chat/completions", json.dumps(
+        {"model": MODEL_ID, "messages": HELLO, "max_tokens": 12, "temperature": 0, "n": None, "stream": None,
+         "ignore_eos": None, "stream_options": None}).encode())
+    assert status == 200 and body["choices"][0]["message"]["content"] == reference[0](HELLO, 12)[0]
+    r = client(url).completions.create(model=MODEL_ID, prompt="the cat", temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0, "top_k": 1}, {"temperature": 1e-40}])
+def test_top_k_one_and_a_tiny_temperature_are_greedy(server, reference, sampling):
+    """vLLM's ``top_k`` is honoured, not dropped; a temperature of 1e-40 overflowed float32 to a NaN row (500)."""
+    url, _ = server
+    kw = {k: v for k, v in sampling.items() if k != "top_k"}
+    extra = {"top_k": sampling["top_k"]} if "top_k" in sampling else {}
+    r = client(url).chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=12, seed=3,
+                                            extra_body=extra, **kw)
+    assert r.choices[0].message.content == reference[0](HELLO, 12)[0]
+    status, body = post(f"{url}/v1/chat/completions",
+                        json.dumps({"model": MODEL_ID, "messages": HELLO, "top_k": -2}).encode())
+    assert status == 400 and body["error"]["param"] == "top_k"
+
+
+def test_one_model_by_its_id(server):
+    url, _ = server
+    assert client(url).models.retrieve(MODEL_ID).id == MODEL_ID
+    with pytest.raises(openai.NotFoundError) as e:
+        client(url).models.retrieve("gpt-4")
+    assert e.value.body["code"] == "model_not_found"
 
 
 def test_unknown_model_is_404_and_bad_json_is_400(server):

@@ -62,8 +62,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--num-beams", type=int, default=None, help="beams for beam search (default 4 with --strategy "
                    "beam, else 1)")
-    p.add_argument("--length-penalty", type=float, default=1.0)
-    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--length-penalty", type=float, default=1.0, help="beam search: a finished beam's score is "
+                   "its log-probability over (generated length ** this) (default 1.0)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None, help="with --draft: tokens the draft "
+                   "proposes per step (default 4)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--stream", action="store_true", help="print text as it is generated (batch of one prompt)")
@@ -77,8 +79,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _filters(args) -> bool:
+    return bool(args.top_k or args.top_p < 1.0 or args.min_p > 0.0)
+
+
 def _sampling_knob(args) -> bool:
-    return bool(args.top_k or args.top_p < 1.0 or args.min_p > 0.0 or args.temperature != 1.0)
+    return _filters(args) or args.temperature != 1.0
 
 
 def _strategy(args) -> str:
@@ -114,6 +120,15 @@ def _check_combination(args, strategy: str) -> None:
                          + (" (--draft runs speculative decoding)" if args.draft else ""))
     if strategy == "speculative" and not args.draft:
         raise ValueError("--strategy speculative needs --draft DIR")
+    if args.num_speculative_tokens is not None and strategy != "speculative":
+        raise ValueError("--num-speculative-tokens sets what a --draft model proposes: add --draft DIR, or drop it")
+    if args.length_penalty != 1.0 and strategy != "beam":
+        raise ValueError("--length-penalty ranks finished beams: it needs beam search (--num-beams 2 or more)")
+    if args.temperature == 0 and _filters(args):
+        raise ValueError("--temperature 0 is greedy decoding: --top-k/--top-p/--min-p do not apply (drop them, or "
+                         "give a temperature above 0)")
+    if strategy == "sample" and args.temperature == 0:
+        raise ValueError("--strategy sample with --temperature 0 is greedy decoding: give a temperature above 0")
     if strategy == "greedy" and args.strategy and _sampling_knob(args) and args.temperature > 0:
         raise ValueError("--strategy greedy takes the likeliest token: --temperature/--top-k/--top-p/--min-p do not "
                          "apply (drop them, or use --strategy sample)")
@@ -170,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
         do_sample=(strategy == "sample" or strategy == "speculative" and _sampling_knob(args)) and args.temperature > 0,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, num_beams=(args.num_beams or 4) if strategy == "beam" else 1,
-        length_penalty=args.length_penalty, num_speculative_tokens=args.num_speculative_tokens,
+        length_penalty=args.length_penalty,
+        num_speculative_tokens=4 if args.num_speculative_tokens is None else args.num_speculative_tokens,
         eos_token_id=eos, pad_token_id=pad, stop_strings=args.stop, seed=args.seed, truncate_prompt=args.truncate,
         compile=args.compile,
     )

@@ -98,10 +98,20 @@ def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Te
     return torch.where(seen, penalised, logits)
 
 
+# Below this temperature a finite float32 logit divided by it can overflow to inf (it takes |logit| > 3.4e18 above
+# it), and softmax over an inf is NaN: the row's largest logit is subtracted first there, which leaves the
+# distribution as it is (softmax is shift-invariant) and makes every scaled logit <= 0.
+_SHIFT_BELOW = 1e-20
+
+
 def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
     if temperature <= 0:
         raise ValueError("apply_temperature needs temperature > 0; temperature 0 is greedy, use argmax")
-    return logits if temperature == 1.0 else logits / temperature
+    if temperature == 1.0:
+        return logits
+    if temperature < _SHIFT_BELOW:
+        logits = logits - logits.amax(dim=-1, keepdim=True)
+    return logits / temperature
 
 
 def top_k_filter(logits: Tensor, k: int, min_tokens_to_keep: int = 1) -> Tensor:

@@ -24,6 +24,7 @@ from seqlab.serve.protocol import APIError
 from seqlab.serve.scheduler import Engine, Event, NotAcceptingError, QueueFullError, Request
 
 _POLL_S = 0.25  # how often a non-streaming handler checks whether its client is still connected
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; a chat reply may fill the context
 
 
 def create_app(engine: Engine, tokenizer, model_name: str,
@@ -51,9 +52,14 @@ def create_app(engine: Engine, tokenizer, model_name: str,
     async def health(_: HTTPRequest) -> JSONResponse:
         return JSONResponse({"status": "ok", **engine.stats()})
 
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "seqlab"}
+
     async def models(_: HTTPRequest) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [
-            {"id": model_name, "object": "model", "created": created, "owned_by": "seqlab"}]})
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(http: HTTPRequest) -> JSONResponse:
+        _check_model(http.path_params["name"])
+        return JSONResponse(card)
 
     async def chat(http: HTTPRequest):
         body = protocol.parse_chat(await _json(http))
@@ -81,11 +87,16 @@ def create_app(engine: Engine, tokenizer, model_name: str,
 
     async def _run(http: HTTPRequest, body: protocol.GenerationRequest, ids: list[int], stop_ids: list[int],
                    chat: bool, param: str):
+        if body.max_tokens is not None and len(ids) < engine.context < len(ids) + body.max_tokens:
+            raise APIError(400, f"{param}: the context holds {engine.context} tokens, and this request asks for "
+                                f"{len(ids) + body.max_tokens} ({len(ids)} of prompt, max_tokens {body.max_tokens}); "
+                                f"lower max_tokens or the prompt", param=param, code="context_length_exceeded")
+        max_tokens = body.max_tokens or (engine.context if chat else COMPLETION_MAX_TOKENS)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
-        req = Request(ids, body.max_tokens or engine.context, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                      tokenizer, temperature=body.temperature, top_p=body.top_p, seed=body.seed, stop=body.stop,
-                      stop_ids=[] if body.ignore_eos else stop_ids, strip=chat)
+        req = Request(ids, max_tokens, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), tokenizer,
+                      temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+                      stop=body.stop, stop_ids=[] if body.ignore_eos else stop_ids, strip=chat)
         try:
             engine.submit(req)
         except QueueFullError as e:
@@ -169,6 +180,7 @@ def create_app(engine: Engine, tokenizer, model_name: str,
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/models/{name:path}", model, methods=["GET"]),
         Route("/v1/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
     ]

@@ -42,6 +42,7 @@ class GenerationRequest:
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # vLLM's extension: sample from the k likeliest tokens (0, or vLLM's -1: all of them)
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -75,6 +76,16 @@ def _int(body: dict, name: str, low: int, high: int | None = None) -> int | None
     return value
 
 
+def _bool(body: dict, name: str, param: str | None = None) -> bool:
+    """A true/false field (``param``: its name in errors); absent or null is false, as OpenAI reads it."""
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise bad(param or name, f"must be true or false, got {value!r}")
+    return value
+
+
 def _stop(body: dict) -> list[str]:
     value = body.get("stop")
     if value is None:
@@ -92,7 +103,14 @@ _NOT_IMPLEMENTED = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}), "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    "functions": (None, []), "function_call": (None, "none", "auto"),
 }
+
+
+def _neutral(value: Any, neutral: tuple) -> bool:
+    """``value`` is one of ``neutral``, a bool only as a bool: in Python ``false == 0``, but a completion's
+    ``logprobs: 0`` asks for the sampled tokens' log-probabilities, and ``top_logprobs: false`` is no number."""
+    return any(value is n if isinstance(value, bool) or isinstance(n, bool) else value == n for n in neutral)
 
 
 def _common(body: Any) -> GenerationRequest:
@@ -100,34 +118,26 @@ def _common(body: Any) -> GenerationRequest:
         raise APIError(400, "the request body must be a JSON object")
     for name, neutral in _NOT_IMPLEMENTED.items():
         value = body.get(name)
-        numeric_bool = isinstance(value, bool) and not any(n is False for n in neutral)  # `false == 0` in Python
-        if value not in neutral or numeric_bool:
+        if not _neutral(value, neutral):
             raise bad(name, f"is not supported by this server (got {value!r})")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad("model", "is required (a model id from GET /v1/models)")
-    n = body.get("n", 1)
-    if n != 1 or isinstance(n, bool):
+    n = body.get("n")
+    if n is not None and (n != 1 or isinstance(n, bool)):
         raise bad("n", f"only n=1 is supported, got {n!r}")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise bad("stream", f"must be true or false, got {stream!r}")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise bad("stream_options", "must be an object")
-    include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise bad("stream_options.include_usage", f"must be true or false, got {include_usage!r}")
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool):
-        raise bad("ignore_eos", f"must be true or false, got {ignore_eos!r}")
     max_tokens = _int(body, "max_completion_tokens", 1)
     max_tokens = _int(body, "max_tokens", 1) if max_tokens is None else max_tokens
+    top_k = _int(body, "top_k", -1)
     return GenerationRequest(
         model=model, max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), seed=_int(body, "seed", -(2**63), 2**64 - 1),
-        stop=_stop(body), stream=stream, include_usage=include_usage,
-        ignore_eos=ignore_eos,
+        top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=max(top_k or 0, 0),
+        seed=_int(body, "seed", -(2**63), 2**64 - 1), stop=_stop(body), stream=_bool(body, "stream"),
+        include_usage=_bool(options, "include_usage", "stream_options.include_usage"),
+        ignore_eos=_bool(body, "ignore_eos"),
     )
 
 

@@ -61,10 +61,10 @@ class Event:
 class Request:
     def __init__(self, prompt_ids: list[int], max_tokens: int, sink: Callable[[Event], None], tokenizer,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | None = None, stop: list[str] = (),
-                 stop_ids: list[int] = (), strip: bool = False):
+                 stop_ids: list[int] = (), strip: bool = False, top_k: int = 0):
         self.id = next(_ids)
         self.prompt_ids, self.max_tokens, self.sink = list(prompt_ids), max_tokens, sink
-        self.processor = LogitsProcessor(SamplingParams(temperature=temperature, top_p=top_p,
+        self.processor = LogitsProcessor(SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                                         do_sample=temperature > 0))
         self.generator = None
         if not self.processor.greedy:
