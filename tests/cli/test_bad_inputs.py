@@ -58,6 +58,8 @@ TRAIN_CASES: list[Case] = [
     Case("train-out-not-writable", ["train", *_TINY, "--out", "/sys/seqlab-bad-input-run"], "not writable"),
     Case("train-device-cuda-missing", ["train", *_TINY, "--device", "cuda:99", "--out", "{tmp}/r"], "--device cuda:99"),
     Case("train-model-bogus-field", ["train", *_TINY, "--model", "bogus_key=1", "--out", "{tmp}/r"], "bogus_key"),
+    Case("train-pack-sft", ["train", *_TINY, "--objective", "sft", "--pack", "--out", "{tmp}/r"], "--pack packs documents into rows for clm"),
+    Case("train-context-below-seq-len", ["train", *_TINY, "--model", "max_seq_len=16", "--out", "{tmp}/r"], "--model max_seq_len=16 is shorter than --seq-len 32"),
     Case("train-resume-truncated-config", ["train", "--out", "{tmp}/cut", "--resume", "--no-progress"],
          "cut/config.json: line 1: not valid JSON", files={"cut/config.json": '{"train": {"objective": "clm", "seq_len":'}),
     Case("demo-time-zero", ["demo", "--time", "0", "--out", "{tmp}/demo"], "--time must be positive"),

@@ -49,6 +49,11 @@ GOOD_CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant
     (read_preferences, "p.jsonl", _jsonl({"prompt": "q", "chosen": "a"}), r"p.jsonl:1: missing field 'rejected'"),
     (read_preferences, "p.jsonl", _jsonl({"prompt": "q", "chosen": "", "rejected": "b"}),
      r"p.jsonl:1: field 'chosen' is empty"),
+    (read_documents, "d.jsonl", '{"text": "ok \\ud83d\\ude00"}\n{"text": "a lone \\ud800 here"}\n',
+     r"d.jsonl:2: holds a lone UTF-16 surrogate \('\\ud800'\)"),
+    (read_sft, "c.jsonl", _jsonl({"messages": [{"role": "user", "content": "x\udfff"},
+                                               {"role": "assistant", "content": "y"}]}),
+     r"c.jsonl:1: holds a lone UTF-16 surrogate"),
 ])
 def test_bad_input_names_file_and_line(tmp_path, reader, name, content, message):
     path = _write(tmp_path, name, content)

@@ -34,3 +34,14 @@ def test_an_encoder_is_refused_not_scored():
     encoder = build_model(ModelConfig(arch="encoder", vocab_size=300, d_model=32, n_layers=1, n_heads=2))
     with pytest.raises(ValueError, match="this model is an encoder"):
         score_text(encoder, ByteTokenizer(), "some text to score")
+
+
+def test_a_stride_of_the_whole_window_is_refused_and_one_less_scores_each_token_once():
+    """At stride == window the next window's first token would be predicted from no position of its own window
+    (it crashed inside cross_entropy); window - 1 is the widest stride that keeps one token of context."""
+    model = tiny_decoder()
+    ids = torch.randint(0, 96, (100,)).tolist()
+    with pytest.raises(ValueError, match="stride 32 must be in 1..31"):
+        sliding_window_nll(model, ids, window=32, stride=32)
+    nll, scored = sliding_window_nll(model, ids, window=32, stride=31)
+    assert scored == list(range(1, 100)) and nll > 0

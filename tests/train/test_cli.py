@@ -76,6 +76,34 @@ def test_bad_data_file_gives_a_clear_error(tmp_path, capsys):
     assert f"{bad}:2" in capsys.readouterr().err
 
 
+def test_a_run_failing_at_its_first_step_leaves_no_folder_so_the_fixed_command_runs(tmp_path, capsys):
+    """SFT answers cut off by a short --seq-len are found at step 1, after the run wrote its config and tokenizer:
+    that folder blocked the corrected command ("already holds a run") until it was removed by hand."""
+    run = tmp_path / "sft"
+    args = ["train", "--objective", "sft", "--out", str(run), "--max-steps", "1", *TINY]
+    assert main(args) == 2
+    assert "try a larger --seq-len" in capsys.readouterr().err and not run.exists()
+    assert main([*args, "--seq-len", "256"]) == 0 and (run / "checkpoints" / "step_00000001").is_dir()
+
+
+def test_data_paths_are_recorded_absolute(tmp_path, text_file, monkeypatch):
+    """A relative --data was stored as typed: `seqlab eval` from another folder read another file of that name (or
+    none), and --resume there refused the same file named by another relative path."""
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir(), elsewhere.mkdir()
+    (here / "plays.txt").write_text(text_file.read_text())
+    (elsewhere / "plays.txt").write_text("a different text " * 200)
+    monkeypatch.chdir(here)
+    base = ["train", "--objective", "clm", "--tokenizer", "byte", "--out", str(tmp_path / "run"), *TINY]
+    assert main([*base, "--data", "plays.txt", "--max-steps", "2"]) == 0
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())["train"]["data"]
+    assert recorded == str(here / "plays.txt")
+    monkeypatch.chdir(elsewhere)
+    assert main(["eval", str(tmp_path / "run"), "--json", str(tmp_path / "e.json"), "--no-progress"]) == 0
+    assert json.loads((tmp_path / "e.json").read_text())["n_bytes"] == _metrics(tmp_path / "run")[-1]["val_bytes"]
+    assert main([*base, "--data", "../here/plays.txt", "--max-steps", "3", "--resume"]) == 0
+
+
 @pytest.mark.slow
 def test_demo_writes_summary(tmp_path):
     out = tmp_path / "demo"

@@ -37,7 +37,7 @@ from seqlab.train.config import TrainConfig, read_run_config
 from seqlab.train.demo import run_demo as demo
 from seqlab.train.evaluate import evaluate_checkpoint
 from seqlab.train.run import build_run, pin_init
-from seqlab.train.rundir import existing_run
+from seqlab.train.rundir import existing_run, nothing_trained
 from seqlab.train.trainer import Trainer
 
 # (flag, TrainConfig field, type, help)
@@ -157,12 +157,30 @@ def _given(args: argparse.Namespace) -> dict:
 def make_config(args: argparse.Namespace) -> TrainConfig:
     """TrainConfig from the command line; with --resume, from OUT/config.json updated by the given options."""
     given = _given(args)
+    for key in ("data", "val_data"):  # recorded absolute: `seqlab eval` and --resume may run from another folder
+        if given.get(key) is not None:
+            given[key] = os.path.abspath(given[key])
     if args.resume and (Path(args.out) / "config.json").is_file():
         base = read_run_config(args.out)
         base.update(given)
         base["out_dir"] = args.out
-        return TrainConfig.from_dict(base)
-    return TrainConfig(out_dir=args.out, **given)
+        cfg = TrainConfig.from_dict(base)
+    else:
+        cfg = TrainConfig(out_dir=args.out, **given)
+    _check_options(cfg, given)
+    return cfg
+
+
+def _check_options(cfg: TrainConfig, given: dict) -> None:
+    """Options that are valid alone but not together, refused before a run folder is made."""
+    if given.get("pack") and not OBJECTIVES[cfg.objective].can_pack:
+        packing = ", ".join(sorted(name for name, cls in OBJECTIVES.items() if cls.can_pack))
+        raise ValueError(f"--pack packs documents into rows for {packing}; the {cfg.objective} objective builds its "
+                         "own rows: drop --pack")
+    context = cfg.model.get("max_seq_len")
+    if isinstance(context, int) and context < cfg.seq_len:
+        raise ValueError(f"--model max_seq_len={context} is shorter than --seq-len {cfg.seq_len}: training rows would "
+                         "run past the model's context; raise max_seq_len or lower --seq-len")
 
 
 def _accel_line(plan: AccelPlan) -> str:
@@ -197,7 +215,8 @@ def run_train(args: argparse.Namespace) -> int:
     cfg = make_config(args)  # every option checked before --overwrite moves an old run aside
     resolve_device(cfg.device)  # a missing GPU fails now, not after the data is built
     _check_inputs_exist(cfg)  # and the files it names (their contents are read, and checked, after the move)
-    with removed_if_left_empty(args.out):  # a run that fails before writing anything leaves no empty folder
+    # a run that fails before it trained anything leaves no folder behind, so the corrected command runs as given
+    with removed_if_left_empty(args.out, nothing_trained if main_rank else None):
         return _train(args, cfg, main_rank)
 
 

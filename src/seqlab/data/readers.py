@@ -65,10 +65,21 @@ def read_jsonl(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
             raise DataError(path, lineno, f"invalid JSON: {e.msg} (column {e.colno})") from None
         if not isinstance(obj, dict):
             raise DataError(path, lineno, f"expected a JSON object (one per line, JSONL), got {type(obj).__name__}")
+        if "\\ud" in line.lower():  # a \ud800-\udfff escape may decode to a lone surrogate, which is no text
+            _check_no_lone_surrogate(obj, path, lineno)
         out.append((lineno, obj))
     if not out:
         raise DataError(path, None, "file is empty (no text or examples)")
     return out
+
+
+def _check_no_lone_surrogate(obj: dict, path, lineno: int) -> None:
+    """A tokenizer cannot encode a lone UTF-16 surrogate: refused here, with its file and line, not mid-run."""
+    try:
+        json.dumps(obj, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(path, lineno, f"holds a lone UTF-16 surrogate ({e.object[e.start:e.end]!a}), which is not "
+                                      "a character; write the text as valid Unicode") from None
 
 
 def _require(obj: dict, key: str, path, lineno: int) -> Any:

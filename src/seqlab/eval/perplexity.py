@@ -37,8 +37,9 @@ class TextScore:
 @torch.no_grad()
 def sliding_window_nll(model: torch.nn.Module, ids: list[int], window: int, stride: int) -> tuple[float, list[int]]:
     """Summed NLL (nats) of ``ids[1:]`` given their prefixes, and the positions scored (each exactly once)."""
-    if not 0 < stride <= window:
-        raise ValueError(f"stride {stride} must be in 1..window ({window})")
+    if not 0 < stride < window:  # a window's first new token is predicted from the position before it
+        raise ValueError(f"stride {stride} must be in 1..{window - 1} (the window, {window}, less one): every "
+                         f"scored token needs at least one token of context in its window")
     total, scored, done = 0.0, [], 1  # position 0 has no prediction
     begin = 0
     while done < len(ids):

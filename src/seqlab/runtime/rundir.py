@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from seqlab.runtime.files import ensure_writable_dir
@@ -45,17 +46,23 @@ def move_aside(out: str | os.PathLike) -> Path:
 
 
 @contextlib.contextmanager
-def removed_if_left_empty(out: str | os.PathLike) -> Iterator[None]:
+def removed_if_left_empty(out: str | os.PathLike,
+                          disposable: Callable[[Path], bool] | None = None) -> Iterator[None]:
     """A folder the command creates is taken away again if the command fails with nothing written into it (a
     malformed data line found after ``--out`` was made), so no empty run folder is left to puzzle over. Only an
-    empty folder goes: ``rmdir`` refuses any other."""
+    empty folder goes (``rmdir`` refuses any other), or one that ``disposable`` says holds nothing worth keeping
+    (a training run that failed at its first step: its config and tokenizer, no checkpoint). A folder that existed
+    before the command is never removed."""
     existed = Path(out).exists()
     try:
         yield
     except BaseException:
         if not existed:
             with contextlib.suppress(OSError):
-                Path(out).rmdir()
+                if disposable is not None and Path(out).is_dir() and disposable(Path(out)):
+                    shutil.rmtree(out)
+                else:
+                    Path(out).rmdir()
         raise
 
 

@@ -14,3 +14,14 @@ RUN_FILES = ("config.json", "metrics.jsonl", "tokenizer.json", "checkpoints")
 def existing_run(out: str | os.PathLike) -> Path | None:
     """The first file or folder that shows ``out`` already holds a training run (None for a fresh folder)."""
     return first_existing(out, RUN_FILES)
+
+
+def nothing_trained(out: str | os.PathLike) -> bool:
+    """``out`` holds no checkpoint and no logged step: only what a run writes before its first step (its config,
+    tokenizer, an empty log), which is worth nothing without a trained step and would block the same command."""
+    out = Path(out)
+    checkpoints = out / "checkpoints"
+    if checkpoints.is_dir() and any(checkpoints.iterdir()):
+        return False
+    metrics = out / "metrics.jsonl"
+    return not (metrics.is_file() and metrics.stat().st_size > 0)
