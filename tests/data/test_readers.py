@@ -92,5 +92,6 @@ def test_good_files_and_split_rule(tmp_path):
     text = "\n".join(f"line {i}" for i in range(1000)) + "\n"
     txt = _write(tmp_path, "plain.txt", text)
     tr, va = build_dataset("clm", txt, TOK, 64, "train"), build_dataset("clm", txt, TOK, 64, "validation")
-    assert tr.info["n_tokens"] + va.info["n_tokens"] == len(text) + 2  # one EOS after each part
-    assert TOK.decode(va[0]).startswith("line 9")  # the last ~5 %, cut at a line break
+    assert tr.info["n_tokens"] + va.info["n_tokens"] == len(text) + 4  # BOS before and EOS after each part
+    assert va[0][0] == TOK.bos_id and tr[0][0] == TOK.bos_id  # as generation and perplexity start a prompt
+    assert TOK.decode(va[0][1:]).startswith("line 9")  # the last ~5 %, cut at a line break

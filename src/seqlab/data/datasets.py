@@ -89,11 +89,18 @@ def _documents(path: str | os.PathLike | None, split: str) -> list[str]:
     return split_items(docs, split, path)
 
 
-def token_stream(docs: Sequence[str], tokenizer: Any) -> torch.Tensor:
-    """Documents encoded and joined with EOS (after each document) into one long tensor."""
+def token_stream(docs: Sequence[str], tokenizer: Any, bos: bool = False) -> torch.Tensor:
+    """Documents encoded and joined into one long tensor, each followed by EOS and, with ``bos``, preceded by BOS.
+
+    Why BOS for CLM: generation, perplexity and the HF export start every prompt of a seqlab checkpoint with BOS,
+    so training must show the model BOS before each document (as ``--pack`` does), or its first input at inference
+    is a token it never saw. MLM rows add their own BOS and EOS around each window.
+    """
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    start = [tokenizer.bos_id] if bos and tokenizer.bos_id is not None else []
     # via numpy: torch.tensor(list) is ~10x slower on multi-million-token lists
-    parts = [torch.from_numpy(np.array(enc + eos, dtype=np.int64)) for enc in tokenizer.encode_batch(list(docs))]
+    parts = [torch.from_numpy(np.array(start + enc + eos, dtype=np.int64))
+             for enc in tokenizer.encode_batch(list(docs))]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
@@ -149,7 +156,7 @@ def build_dataset(objective: str, path: str | os.PathLike | None, tokenizer: Any
             eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
             rows = pack_documents([bos + ids + eos for ids in tokenizer.encode_batch(docs)], seq_len, tokenizer.pad_id)
             return Examples(rows, info=info)
-        stream = token_stream(docs, tokenizer)
+        stream = token_stream(docs, tokenizer, bos=True)
         info["n_tokens"] = len(stream)
         return Examples(fn=functools.partial(_window, stream, seq_len, seq_len - 1), info=info,
                         size=n_windows(len(stream), seq_len, seq_len - 1))
