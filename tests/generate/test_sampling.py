@@ -207,10 +207,11 @@ def test_invalid_values_raise_naming_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("temperature", [1e-40, 1e-30, 1e-20, 1e-12])
+@pytest.mark.parametrize("temperature", [5e-324, 1e-50, 1e-40, 1e-30, 1e-20, 1e-12])
 def test_a_tiny_temperature_samples_the_argmax(temperature: float):
-    """logits / 1e-40 overflows float32 to inf, and softmax over an inf row is NaN (multinomial refused it):
-    a tiny positive temperature must behave as its limit, greedy, with ties kept."""
+    """logits / 1e-40 overflows float32 to inf, and softmax over an inf row is NaN (multinomial refused it); below
+    float32's least normal the temperature itself is 0 there, and 0/0 is NaN: a tiny positive temperature must
+    behave as its limit, greedy, with ties kept."""
     z = torch.tensor([[1.0, 3.0, -2.0, float("-inf"), 2.5], [0.5, 0.5, -1.0, 0.0, 0.25]])
     proc = LogitsProcessor(SamplingParams(temperature=temperature, top_p=0.9))
     probs = proc.probs(z)

@@ -5,6 +5,7 @@ import math
 import torch
 
 from seqlab.objectives import CausalLM, IGNORE_INDEX, causal_lm_loss, next_token_labels
+from seqlab.data.tokenizers import ByteTokenizer
 from tests.objectives.helpers import TOK, tiny_model
 
 
@@ -81,3 +82,17 @@ def test_document_boundary_target_is_dropped():
     labels = labels.masked_fill(docs < 0, IGNORE_INDEX)
     t = next_token_labels(labels, docs)
     assert t.tolist() == [[11, 12, IGNORE_INDEX, 21, IGNORE_INDEX]]
+
+
+def test_bos_after_a_document_is_no_target_unless_it_is_also_eos():
+    """A CLM stream is BOS text EOS BOS text EOS...: predicting the next BOS after an EOS is no skill (--pack and
+    perplexity never score it), so it is dropped. A tokenizer whose BOS is its EOS (GPT-2's <|endoftext|>) keeps it:
+    the model must still learn to stop."""
+    bos, eos = TOK.bos_id, TOK.eos_id
+    row = [bos, 65, 66, eos, bos, 67, eos]
+    batch = CausalLM(TOK).collate([row])
+    assert CausalLM(TOK).targets(batch).tolist() == [[65, 66, eos, IGNORE_INDEX, 67, eos]]
+    same = ByteTokenizer()
+    same.bos_id = same.eos_id
+    row = [eos, 65, 66, eos, 67, eos]
+    assert CausalLM(same).targets(CausalLM(same).collate([row])).tolist() == [[65, 66, eos, 67, eos]]

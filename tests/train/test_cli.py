@@ -102,6 +102,15 @@ def test_data_paths_are_recorded_absolute(tmp_path, text_file, monkeypatch):
     assert main(["eval", str(tmp_path / "run"), "--json", str(tmp_path / "e.json"), "--no-progress"]) == 0
     assert json.loads((tmp_path / "e.json").read_text())["n_bytes"] == _metrics(tmp_path / "run")[-1]["val_bytes"]
     assert main([*base, "--data", "../here/plays.txt", "--max-steps", "3", "--resume"]) == 0
+    # a tokenizer file likewise: recorded absolute, and the same file under another relative name resumes
+    (here / "tok.json").write_bytes((tmp_path / "run" / "tokenizer.json").read_bytes())
+    monkeypatch.chdir(here)
+    other = ["train", "--objective", "clm", "--data", "plays.txt", "--out", str(tmp_path / "run2"), *TINY]
+    assert main([*other, "--tokenizer", "tok.json", "--max-steps", "2"]) == 0
+    assert json.loads((tmp_path / "run2" / "config.json").read_text())["train"]["tokenizer"] == str(here / "tok.json")
+    monkeypatch.chdir(elsewhere)
+    assert main(["train", "--out", str(tmp_path / "run2"), "--tokenizer", "../here/tok.json", "--resume",
+                 "--max-steps", "3", "--no-progress"]) == 0
 
 
 @pytest.mark.slow

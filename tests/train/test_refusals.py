@@ -3,6 +3,9 @@
 import pytest
 
 from seqlab.cli import main
+from seqlab.data import ByteTokenizer, build_dataset
+from seqlab.train.config import TrainConfig
+from seqlab.train.run import dataset_options
 from seqlab.train.rundir import existing_run
 from tests.train.test_cli import TINY
 
@@ -47,3 +50,15 @@ def test_init_with_other_shapes_names_the_first_tensor(tmp_path, capsys):
     assert len(err) == 1 and len(err[0]) < 400, err  # not torch's list of every mismatching tensor
     assert f"--init {src}: stack.embed.tok.weight has shape (" in err[0]
     assert "in this model; use the same --preset/--model settings and tokenizer" in err[0]
+
+
+def test_a_run_recorded_before_document_bos_rebuilds_its_own_stream():
+    """CLM streams gained a BOS before each document (2026-12-07). A run recorded before has no such field: eval
+    and --resume must rebuild the stream it trained on (its window count is part of the resumed data position)."""
+    old, new = TrainConfig.from_dict({"objective": "clm"}), TrainConfig(objective="clm")
+    assert (old.document_bos, new.document_bos, TrainConfig.from_dict(new.to_dict()).document_bos) == (False, True, True)
+    tok = ByteTokenizer()
+    before = build_dataset("clm", None, tok, 64, "validation", **dataset_options(old))
+    after = build_dataset("clm", None, tok, 64, "validation", **dataset_options(new))
+    assert before[0][0] != tok.bos_id and after[0][0] == tok.bos_id
+    assert after.info["n_tokens"] > before.info["n_tokens"]

@@ -157,8 +157,8 @@ def _given(args: argparse.Namespace) -> dict:
 def make_config(args: argparse.Namespace) -> TrainConfig:
     """TrainConfig from the command line; with --resume, from OUT/config.json updated by the given options."""
     given = _given(args)
-    for key in ("data", "val_data"):  # recorded absolute: `seqlab eval` and --resume may run from another folder
-        if given.get(key) is not None:
+    for key in ("data", "val_data", "tokenizer"):  # files recorded absolute: eval and --resume may run elsewhere
+        if given.get(key) is not None and (key != "tokenizer" or Path(given[key]).is_file()):
             given[key] = os.path.abspath(given[key])
     if args.resume and (Path(args.out) / "config.json").is_file():
         base = read_run_config(args.out)

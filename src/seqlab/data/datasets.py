@@ -141,10 +141,12 @@ def _synthetic_dpo(tokenizer, seq_len, seed, split, i):
 
 
 def build_dataset(objective: str, path: str | os.PathLike | None, tokenizer: Any, seq_len: int,
-                  split: str = "train", seed: int = 0, *, pack: bool = False, size: int | None = None) -> Examples:
+                  split: str = "train", seed: int = 0, *, pack: bool = False, document_bos: bool = True,
+                  size: int | None = None) -> Examples:
     """Examples for ``objective`` (what its ``collate`` takes). ``pack`` (clm only): pack whole documents
-    (BOS + text + EOS) into rows with ``document_ids`` instead of windows over the joined stream. ``size``: number of
-    synthetic examples (default per objective)."""
+    (BOS + text + EOS) into rows with ``document_ids`` instead of windows over the joined stream. ``document_bos``
+    (clm only): BOS before each document of the stream (False rebuilds a run recorded before it was). ``size``:
+    number of synthetic examples (default per objective)."""
     split = _split_split(split)
     if seq_len < 4:
         raise ValueError(f"seq_len must be >= 4, got {seq_len}")
@@ -156,7 +158,7 @@ def build_dataset(objective: str, path: str | os.PathLike | None, tokenizer: Any
             eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
             rows = pack_documents([bos + ids + eos for ids in tokenizer.encode_batch(docs)], seq_len, tokenizer.pad_id)
             return Examples(rows, info=info)
-        stream = token_stream(docs, tokenizer, bos=True)
+        stream = token_stream(docs, tokenizer, bos=document_bos)
         info["n_tokens"] = len(stream)
         return Examples(fn=functools.partial(_window, stream, seq_len, seq_len - 1), info=info,
                         size=n_windows(len(stream), seq_len, seq_len - 1))

@@ -109,8 +109,9 @@ def apply_temperature(logits: Tensor, temperature: float) -> Tensor:
         raise ValueError("apply_temperature needs temperature > 0; temperature 0 is greedy, use argmax")
     if temperature == 1.0:
         return logits
-    if temperature < _SHIFT_BELOW:
+    if temperature < _SHIFT_BELOW:  # (and no smaller than the dtype's least normal: as float32 1e-46 is 0, 0/0 NaN)
         logits = logits - logits.amax(dim=-1, keepdim=True)
+        temperature = max(temperature, torch.finfo(logits.dtype).tiny)
     return logits / temperature
 
 

@@ -68,6 +68,10 @@ class CausalLM(BaseObjective):
         super().__init__(tokenizer)
         self.check_options({"padding_side": padding_side})
         self.padding_side = padding_side
+        # BOS opens a document; predicting it after the last one's EOS is no skill, and --pack and perplexity never
+        # score it. Where BOS is EOS (GPT-2's <|endoftext|>), the token is kept: the model must learn to stop.
+        bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
+        self.unscored = bos if bos is not None and bos != eos else None
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
@@ -82,8 +86,10 @@ class CausalLM(BaseObjective):
         input_ids, attention_mask = pad_with_mask(seqs, self.pad_id, self.padding_side)
         if any("labels" in e for e in ex):
             labels = pad_labels([list(e.get("labels", e["input_ids"])) for e in ex], self.padding_side)
-        else:
+        else:  # plain text: every token is a target but padding and BOS (labels given, as SFT's, are kept as given)
             labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
+            if self.unscored is not None:
+                labels.masked_fill_(labels == self.unscored, IGNORE_INDEX)
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
         if any("document_ids" in e for e in ex):
             batch["document_ids"] = pad_sequences([list(e["document_ids"]) for e in ex], -1, self.padding_side)

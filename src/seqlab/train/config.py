@@ -46,6 +46,7 @@ class TrainConfig:
     model: dict[str, Any] = field(default_factory=dict)  # ModelConfig overrides on top of the preset
     init: str | None = None  # start from these weights (a checkpoint dir or a seqlab/HF model folder)
     pack: bool = False  # clm: pack whole documents into rows with a document mask
+    document_bos: bool = True  # clm: BOS before each document of the stream (False: runs recorded before it was)
 
     # data / batching
     seq_len: int = 128
@@ -162,7 +163,8 @@ class TrainConfig:
         unknown = sorted(set(data) - known)
         if unknown:
             raise TrainConfigError(unknown[0], f"unknown field(s) {unknown}")
-        return cls(**data)
+        # a run recorded before document_bos existed trained on a stream without BOS: eval and --resume rebuild that
+        return cls(**{"document_bos": False, **data})
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
@@ -177,6 +179,15 @@ RESUME_MUTABLE = frozenset({
     "ckpt_interval", "keep_last", "progress", "plot", "compile", "activation_checkpointing", "num_threads",
     "device",
 })
+
+
+def same_setting(key: str, old: Any, new: Any) -> bool:
+    """Equal, or, for a file a run reads (data, a tokenizer file), the same file: a run records them absolute, and
+    runs recorded before that, as typed, relative to the folder they ran in, which is where their resume reads them."""
+    paths = ("data", "val_data", "tokenizer")
+    if key in paths and isinstance(old, str) and isinstance(new, str) and (key != "tokenizer" or Path(new).is_file()):
+        return os.path.abspath(old) == os.path.abspath(new)
+    return old == new
 
 
 def read_run_config(out_dir: str | os.PathLike) -> dict[str, Any]:

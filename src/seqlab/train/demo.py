@@ -67,7 +67,8 @@ def sample_texts(model: torch.nn.Module, tokenizer, prompts: tuple[str, ...] | l
     model.eval()
     out = []
     for i, prompt in enumerate(prompts):
-        ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.long, device=next(model.parameters()).device)
+        bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []  # as every training document starts
+        ids = torch.tensor([bos + tokenizer.encode(prompt)], dtype=torch.long, device=next(model.parameters()).device)
         room = model.config.max_seq_len - ids.shape[1]
         n_new = max(0, min(max_new_tokens, room))
         seq = _generate(model, ids, n_new, temperature, top_k, seed + i)

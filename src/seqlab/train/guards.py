@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from seqlab.runtime.errors import CheckpointError
-from seqlab.train.config import RESUME_MUTABLE, TrainConfig
+from seqlab.train.config import RESUME_MUTABLE, TrainConfig, same_setting
 from seqlab.train.schedule import LRSchedule
 
 
@@ -40,18 +40,10 @@ def check_unchanged(path: str | os.PathLike, old: dict[str, Any], new: dict[str,
     in one of ``frozen`` (fields this run depends on although others may change them: DPO's ``init``, its
     reference), naming every such field with its old and new value."""
     mutable = RESUME_MUTABLE - frozen
-    diffs = sorted(k for k in new if k not in mutable and k in old and not _same(k, old[k], new[k]))
+    diffs = sorted(k for k in new if k not in mutable and k in old and not same_setting(k, old[k], new[k]))
     if diffs:
         detail = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in diffs)
         raise CheckpointError(f"{path}: cannot resume, the run configuration changed ({detail})")
-
-
-def _same(key: str, old: Any, new: Any) -> bool:
-    """Equal, or, for a data file, the same file: a run records it absolute (earlier runs, as typed, relative to
-    the folder they ran in, which is where a resume of theirs reads it)."""
-    if key in ("data", "val_data") and isinstance(old, str) and isinstance(new, str):
-        return os.path.abspath(old) == os.path.abspath(new)
-    return old == new
 
 
 def check_resume_steps(path: str | os.PathLike, old: dict[str, Any], cfg: TrainConfig, step: int,

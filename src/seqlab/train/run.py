@@ -18,7 +18,7 @@ from seqlab.data import build_dataset, build_tokenizer, load_tokenizer
 from seqlab.data.readers import read_documents
 from seqlab.model import build_model
 from seqlab.objectives import build_objective, objective_class
-from seqlab.train.config import TrainConfig, read_run_config
+from seqlab.train.config import TrainConfig, read_run_config, same_setting
 from seqlab.train.presets import model_config
 
 # Loads a model folder that is not a training checkpoint (seqlab or HF format) into a state dict. The CLI passes
@@ -54,7 +54,7 @@ def build_tokenizer_for(cfg: TrainConfig, cache_dir: str | Path | None = None, r
         if (out / "config.json").is_file():
             run = read_run_config(out)
             recorded = run.get("tokenizer") or default_tokenizer(run.get("objective", cfg.objective))
-        if recorded != spec:
+        if not same_setting("tokenizer", recorded, spec):
             raise ValueError(f"{saved}: built for --tokenizer {recorded}, but this run asks for --tokenizer {spec}; "
                              "a resumed run must keep its tokenizer")
         return load_tokenizer(saved)
@@ -65,7 +65,7 @@ def build_tokenizer_for(cfg: TrainConfig, cache_dir: str | Path | None = None, r
 
 
 def dataset_options(cfg: TrainConfig) -> dict[str, Any]:
-    return {"pack": True} if cfg.pack and objective_class(cfg.objective).can_pack else {}
+    return {"pack": bool(cfg.pack and objective_class(cfg.objective).can_pack), "document_bos": cfg.document_bos}
 
 
 def validation_dataset(cfg: TrainConfig, tokenizer) -> Any:
