@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from seqlab.generate.engine import decode_step, prefill
-from seqlab.io import load_pretrained
+from seqlab import ModelConfig, build_model
+from seqlab.generate import generate
+from seqlab.io import load_pretrained, save_pretrained
 from seqlab.quant import QuantEmbedding, QuantLinear, quantize, quantized_bytes
 from seqlab.quant.checkpoint import save_quantized
 from seqlab.runtime import CheckpointError
@@ -105,3 +107,28 @@ def test_altered_or_truncated_checkpoint_is_refused(tmp_path):
     (folder / "config.json").write_text(json.dumps(doc))
     with pytest.raises(CheckpointError, match="'quant' must hold"):
         load_pretrained(folder)
+
+
+def test_a_quantised_model_runs_a_plain_forward_refuses_training_and_a_second_quantize(tmp_path):
+    """A quantised model is for inference: model(ids) outside no_grad used to raise (its norms still required
+    grad, so the activations did); training still must. Quantising it again found no nn.Linear, erased the recorded
+    layout and saved a folder nothing could load; save_pretrained wrote one load_pretrained refused."""
+    model = quantize(tiny_decoder(), bits=8)
+    ids = torch.randint(0, 96, (1, 10))
+    assert model(ids).shape == (1, 10, 96)
+    norm = next(p for name, p in model.named_parameters() if "norm" in name)
+    norm.requires_grad_(True)  # someone tries to train what is left
+    with pytest.raises(RuntimeError, match="gradients cannot flow through an integer weight"):
+        model(ids)
+    norm.requires_grad_(False)
+    with pytest.raises(ValueError, match="already quantised"):
+        quantize(model, bits=4)
+    assert model.config.extra["quant"]["layers"]
+    save_pretrained(model, tmp_path / "q")
+    torch.testing.assert_close(load_pretrained(tmp_path / "q")(ids), model(ids), rtol=0, atol=0)
+
+
+def test_generating_with_an_encoder_is_a_clear_error():
+    encoder = build_model(ModelConfig(arch="encoder", vocab_size=50, d_model=16, n_layers=1, n_heads=2))
+    with pytest.raises(ValueError, match="this model is an encoder"):
+        generate(encoder, torch.tensor([[1, 2, 3]]))

@@ -64,6 +64,9 @@ def _check_special_ids(eos: list[int], pad: int, vocab_size: int) -> None:
 def prepare(model, input_ids: Tensor, attention_mask: Tensor | None, cfg: GenerationConfig) -> Prepared:
     """Validate shapes, lengths and special ids; apply the documented truncation; find each row's last real token."""
     mcfg = model.config
+    if mcfg.arch == "encoder":  # it sees every position at once: no next token to predict, and no cache
+        raise ValueError("generation needs a decoder or an encoder-decoder; this model is an encoder "
+                         "(ModelConfig.arch): use it for embeddings or masked-token filling")
     input_ids = _check_ids(input_ids, mcfg.vocab_size)
     given_ids = input_ids
     B, T = input_ids.shape

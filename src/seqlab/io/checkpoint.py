@@ -20,7 +20,8 @@ from seqlab.config import ModelConfig
 from seqlab.io.hf import load_hf
 from seqlab.io.tensors import load_state_into, load_tensors, read_config_json, save_tensors, unique_state_dict
 from seqlab.model import build_model
-from seqlab.quant.checkpoint import load_quantized
+from seqlab.quant.checkpoint import load_quantized, save_quantized
+from seqlab.quant.convert import is_quantized
 from seqlab.runtime import CheckpointError, atomic_write_text
 from seqlab.train.checkpoint import load_checkpoint, resolve_checkpoint
 
@@ -31,7 +32,10 @@ __all__ = ["CheckpointError", "FORMAT", "load_pretrained", "load_state_into", "m
 
 
 def save_pretrained(model: nn.Module, out_dir: str | os.PathLike) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (atomically) to ``out_dir``."""
+    """Write ``config.json`` and ``model.safetensors`` (atomically) to ``out_dir``; a quantised model in the
+    quantised format (:func:`seqlab.quant.save_quantized`), which ``load_pretrained`` reads back."""
+    if is_quantized(model):
+        return save_quantized(model, out_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_tensors(unique_state_dict(model), out / "model.safetensors", metadata={"format": "pt"})

@@ -57,7 +57,9 @@ def quantize(model: nn.Module, bits: int = 8, group_size: int | None = None, lm_
     naming it, before anything is changed.
     """
     if bits not in (4, 8):
-        raise ValueError(f"unsupported bit width {bits} (supported: 8, 4)")
+        raise ValueError(f"unsupported bit width {bits!r} (supported: the integers 8 and 4)")
+    if is_quantized(model):  # it has no nn.Linear left: "quantising" it again would only erase its recorded layout
+        raise ValueError("this model is already quantised; quantise the dense model")
     if getattr(model, "accel_plan", None) is not None:
         raise ValueError("quantize a plain model: this one carries CPU routes (seqlab.accel.restore_plain first)")
     head_bits = min(lm_head_bits, 8) if bits == 8 else lm_head_bits
@@ -128,9 +130,13 @@ def model_layout(model: nn.Module) -> str | None:
 
 
 def record_layout(model: nn.Module, layers: dict[str, dict], tied: dict[str, list[str]]) -> None:
+    """Record the quantised layout in the model's config (saved with it), and freeze what stays in floating point
+    (norms, biases): a quantised model is for inference, so a plain forward outside ``no_grad`` must run, and only
+    an attempt to train reaches QuantLinear's refusal."""
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "extra"):
         cfg.extra = {**cfg.extra, "quant": {"layers": layers, "tied_embeddings": tied}}
+    model.requires_grad_(False)
 
 
 def apply_layout(model: nn.Module, layout: dict) -> nn.Module:
