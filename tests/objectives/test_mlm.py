@@ -3,6 +3,7 @@
 import torch
 
 from seqlab.objectives import IGNORE_INDEX, MaskedLM
+from seqlab.objectives import mlm as mlm_module
 from seqlab.objectives.mlm import MASKED, RANDOM, UNCHANGED
 from tests.objectives.helpers import TOK, tiny_model
 
@@ -104,3 +105,24 @@ def test_evaluation_masks_repeat_and_leave_training_stream_alone():
     ref.collate(rows)
     assert torch.equal(obj.collate(rows)["input_ids"], ref.collate(rows)["input_ids"])
     assert not torch.equal(first["labels"], e1["labels"])
+
+
+def test_ranks_mask_their_own_positions_and_evaluation_masks_follow_the_batch_index(monkeypatch):
+    """Under torchrun every rank drew the same mask stream (the same positions of every batch), and a rank scoring
+    batches 1 and 3 of an evaluation masked them as a single process masks batches 0 and 1: the validation loss
+    depended on the number of processes."""
+    batches = [_rows(4, seed=k) for k in range(4)]
+    single = MaskedLM(TOK)
+    with single.evaluating():
+        expected = [single.collate(b)["input_ids"] for b in batches]
+    drawn = {}
+    for rank in (0, 1):
+        monkeypatch.setattr(mlm_module.dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(mlm_module.dist, "get_rank", lambda rank=rank: rank)
+        obj = MaskedLM(TOK)
+        drawn[rank] = obj.collate(batches[0])["input_ids"]
+        with obj.evaluating():
+            for k in range(rank, 4, 2):  # this rank's share of the evaluation
+                obj.at_batch(k)
+                assert torch.equal(obj.collate(batches[k])["input_ids"], expected[k])
+    assert not torch.equal(drawn[0], drawn[1])

@@ -90,6 +90,11 @@ class BaseObjective:
     def evaluating(self) -> Iterator[None]:
         yield
 
+    def at_batch(self, index: int) -> None:
+        """Within :meth:`evaluating`: the next ``collate`` is batch ``index`` of the evaluation pass. An objective
+        that draws per batch (MLM's masks) keys the draw by it, so ranks that each score a share of the batches
+        mask each one as a single process does."""
+
     def count_tokens(self, batch: dict[str, Tensor]) -> int:
         """Real (unpadded) positions of every id tensor the model reads."""
         total = 0

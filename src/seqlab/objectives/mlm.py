@@ -5,8 +5,10 @@ A picked token becomes [MASK] with probability 80 %, a random non-special token 
 with 10 % (so the model cannot assume "a visible token is never a target"). Only picked positions are scored.
 
 Masks are drawn at collate time (dynamic masking: a new mask every time an example is seen) from a generator
-seeded with ``(seed, number of batches collated so far)``; that counter is the objective's ``state_dict`` so a
-resumed run draws the same masks as an uninterrupted one.
+seeded with ``(seed, number of batches collated so far, rank)``; that counter is the objective's ``state_dict`` so a
+resumed run draws the same masks as an uninterrupted one. The rank (under ``torchrun``) keeps two ranks from masking
+the same positions of their batches. Evaluation masks come from their own stream, keyed by the batch's index in
+the pass and not by the rank, so a validation loss does not depend on how many processes computed it.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from seqlab.data.collate import pad_with_mask
@@ -63,6 +66,7 @@ class MaskedLM(BaseObjective):
         self.mask_prob, self.mask_frac, self.random_frac = mask_prob, mask_frac, random_frac
         self.seed = seed
         self.calls = 0
+        self._evaluating = False
         specials = set(tokenizer.special_ids) | ({tokenizer.pad_id} if tokenizer.pad_id is not None else set())
         self.special = torch.tensor(sorted(specials), dtype=torch.long)
         self.random_pool = torch.tensor([i for i in range(tokenizer.vocab_size) if i not in specials], dtype=torch.long)
@@ -82,8 +86,9 @@ class MaskedLM(BaseObjective):
                              "at most 1")
 
     def _generator(self) -> torch.Generator:
+        rank = 0 if self._evaluating or not (dist.is_available() and dist.is_initialized()) else dist.get_rank()
         g = torch.Generator()
-        g.manual_seed((self.seed * 1_000_003 + self.calls) % (2**63))
+        g.manual_seed((self.seed * 1_000_003 + self.calls + rank * 0x9E3779B1) % (2**63))
         self.calls += 1
         return g
 
@@ -110,11 +115,15 @@ class MaskedLM(BaseObjective):
         """Evaluation masks: a separate, restarting RNG stream, so every evaluation scores the same positions and
         the training stream continues as if no evaluation had happened."""
         saved_calls, saved_seed = self.calls, self.seed
-        self.calls, self.seed = 0, self.seed + 0x5EED
+        self.calls, self.seed, self._evaluating = 0, self.seed + 0x5EED, True
         try:
             yield
         finally:
-            self.calls, self.seed = saved_calls, saved_seed
+            self.calls, self.seed, self._evaluating = saved_calls, saved_seed, False
+
+    def at_batch(self, index: int) -> None:
+        if self._evaluating:
+            self.calls = index
 
     def state_dict(self) -> dict[str, Any]:
         return {"calls": self.calls}

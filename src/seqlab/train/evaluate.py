@@ -41,14 +41,15 @@ def evaluate_on_ranks(model: torch.nn.Module, objective: Any, data: Any, batch_s
     was_training = model.training
     model.eval()
     starts = list(range(0, len(data), batch_size))[:max_batches]
-    mine = starts[info.rank::info.world_size]
+    mine = list(enumerate(starts))[info.rank::info.world_size]
     if pad_ranks:
-        mine = mine + [None] * (math.ceil(len(starts) / info.world_size) - len(mine))
+        mine = mine + [(0, None)] * (math.ceil(len(starts) / info.world_size) - len(mine))
     totals = EvalTotals()
     with objective.evaluating():  # MLM: the same masks every time, without moving the training RNG
-        for s in mine:
+        for index, s in mine:
             first = starts[0] if s is None else s  # None: a padding forward that only keeps the ranks in step
             rows = [data[i] for i in range(first, min(first + batch_size, len(data)))]
+            objective.at_batch(index)  # MLM: batch `index` is masked alike on any rank
             batch = to_device(objective.collate(rows), info.device)
             with precision.autocast():
                 out = objective.loss(model, batch)
