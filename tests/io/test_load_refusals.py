@@ -15,7 +15,7 @@ import torch
 
 from seqlab.cli import main
 from seqlab.config import ModelConfig
-from seqlab.data import ByteTokenizer
+from seqlab.data import ByteTokenizer, build_tokenizer
 from seqlab.io import CheckpointError, GGUFError, load_gguf, load_pretrained, resolve_checkpoint, save_pretrained
 from seqlab.io.gguf import read_gguf
 from seqlab.model import build_model
@@ -123,3 +123,20 @@ def test_sft_run_chats_and_generates_with_its_template(tmp_path):
     tok_dir = run / "checkpoints"
     saved = json.loads(next(tok_dir.glob("step_*/tokenizer_config.json")).read_text())
     assert saved["chat_template"] and saved["seqlab_eot_token"] == "<|im_end|>"
+
+
+def test_api_arguments_of_the_wrong_kind_are_named(tmp_path):
+    """A string dtype, a dict config and a negative token id reached torch, attribute lookups and the tokenizer
+    backend, whose errors (TypeError deep in .to(), AttributeError, OverflowError) said nothing of the argument."""
+    cfg = ModelConfig(vocab_size=300, d_model=16, n_layers=1, n_heads=2)
+    save_pretrained(build_model(cfg), tmp_path / "m")
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+        load_pretrained(tmp_path / "m", dtype="bf16")
+    with pytest.raises(TypeError, match="build_model takes a ModelConfig"):
+        build_model(cfg.to_dict())
+    tok = ByteTokenizer()
+    with pytest.raises(ValueError, match="got -100"):
+        tok.decode(torch.tensor([104, -100]))
+    bpe = build_tokenizer("bpe:300", train_texts=["the cat sat on the mat " * 50])
+    with pytest.raises(ValueError, match="got -1"):
+        bpe.decode([5, -1])

@@ -13,7 +13,7 @@ from typing import Iterable, Sequence
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from seqlab.data.tokenizer import BOS, EOS, MASK, PAD, SPECIAL_TOKENS, Tokenizer, bytes_to_unicode
+from seqlab.data.tokenizer import BOS, EOS, MASK, PAD, SPECIAL_TOKENS, Tokenizer, bytes_to_unicode, id_list
 
 
 def byte_backend(specials: Sequence[str] = SPECIAL_TOKENS) -> Backend:
@@ -77,11 +77,8 @@ class ByteTokenizer(Tokenizer):
         return [self.encode(t, add_special_tokens) for t in texts]
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
         out, buf = [], bytearray()
-        for i in ids:
-            i = int(i)
+        for i in id_list(ids):
             if i < 256:
                 buf.append(i)
                 continue

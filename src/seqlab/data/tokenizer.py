@@ -63,6 +63,15 @@ _SPECIAL_NAMES = {
 _ROLES = ("pad", "bos", "eos", "mask", "unk")
 
 
+def id_list(ids: Iterable[int]) -> list[int]:
+    """``ids`` (a list or a tensor) as Python ints, refusing a negative one with a message (a backend would raise
+    an OverflowError, or a byte range error, that says nothing of where it came from)."""
+    out = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+    if any(i < 0 for i in out):
+        raise ValueError(f"token ids are >= 0, got {min(out)} (a padding or ignore value such as -100 left in?)")
+    return out
+
+
 class TokenizerError(ValueError):
     """The tokenizer description is missing or inconsistent (the message names the file and key)."""
 
@@ -262,9 +271,7 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Ids -> text. Invalid UTF-8 (a character split across tokens) decodes as U+FFFD, like HF."""
-        if hasattr(ids, "tolist"):
-            ids = ids.tolist()
-        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        return self.backend.decode(id_list(ids), skip_special_tokens=skip_special_tokens)
 
     def pad(self, batch: Sequence[Sequence[int]], side: str = "right", pad_id: int | None = None):
         """Ragged id lists -> ``(input_ids, attention_mask)`` LongTensors; left padding for batched generation."""

@@ -57,6 +57,8 @@ def model_config_from_doc(doc: dict, source: Path) -> ModelConfig:
 def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, device=None) -> nn.Module:
     """Load a seqlab model folder, training checkpoint or run directory (latest checkpoint), verified; a Hugging
     Face folder is handed to ``load_hf``."""
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
     folder = resolve_checkpoint(path)
     tensors = None
     if (folder / "state.json").is_file():  # a training checkpoint: every file is checked against its sha256 first

@@ -270,4 +270,7 @@ class EncoderDecoder(_Model):
 
 def build_model(cfg: ModelConfig) -> Decoder | Encoder | EncoderDecoder:
     """The one constructor: the architecture comes from ``cfg.arch``."""
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"build_model takes a ModelConfig (ModelConfig(...), or ModelConfig.from_dict(d) for a "
+                        f"dict), got {type(cfg).__name__}")
     return {"decoder": Decoder, "encoder": Encoder, "encoder_decoder": EncoderDecoder}[cfg.arch](cfg)
