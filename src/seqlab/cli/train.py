@@ -33,7 +33,7 @@ from seqlab.runtime.dist import resolve_device
 from seqlab.runtime.files import atomic_write_text, check_readable_file, check_writable_file, ensure_writable_dir
 from seqlab.runtime.memory import keep_freed_blocks
 from seqlab.runtime.rundir import claim_run_dir, removed_if_left_empty
-from seqlab.train.config import TrainConfig, read_run_config
+from seqlab.train.config import TrainConfig, names_a_file, read_run_config
 from seqlab.train.demo import run_demo as demo
 from seqlab.train.evaluate import evaluate_checkpoint
 from seqlab.train.run import build_run, pin_init
@@ -157,9 +157,9 @@ def _given(args: argparse.Namespace) -> dict:
 def make_config(args: argparse.Namespace) -> TrainConfig:
     """TrainConfig from the command line; with --resume, from OUT/config.json updated by the given options."""
     given = _given(args)
-    for key in ("data", "val_data", "tokenizer"):  # files recorded absolute: eval and --resume may run elsewhere
-        if given.get(key) is not None and (key != "tokenizer" or Path(given[key]).is_file()):
-            given[key] = os.path.abspath(given[key])
+    for key, value in list(given.items()):
+        if names_a_file(key, value):
+            given[key] = os.path.abspath(value)
     if args.resume and (Path(args.out) / "config.json").is_file():
         base = read_run_config(args.out)
         base.update(given)

@@ -181,11 +181,16 @@ RESUME_MUTABLE = frozenset({
 })
 
 
+def names_a_file(key: str, value: Any) -> bool:
+    """Whether setting ``key`` = ``value`` is a file the run reads: its data, or a tokenizer given as a file (not
+    a spec such as ``bpe:2048``). A run records these absolute, so eval and --resume may run from another folder."""
+    return isinstance(value, str) and (key in ("data", "val_data") or key == "tokenizer" and Path(value).is_file())
+
+
 def same_setting(key: str, old: Any, new: Any) -> bool:
-    """Equal, or, for a file a run reads (data, a tokenizer file), the same file: a run records them absolute, and
-    runs recorded before that, as typed, relative to the folder they ran in, which is where their resume reads them."""
-    paths = ("data", "val_data", "tokenizer")
-    if key in paths and isinstance(old, str) and isinstance(new, str) and (key != "tokenizer" or Path(new).is_file()):
+    """Equal, or, for a file a run reads, the same file: runs recorded before paths were absolute hold them as
+    typed, relative to the folder they ran in, which is where their resume reads them."""
+    if names_a_file(key, new) and isinstance(old, str):
         return os.path.abspath(old) == os.path.abspath(new)
     return old == new
 
