@@ -79,7 +79,6 @@ GENERATE_CASES: list[Case] = [
     Case("generate-hf-llama-no-hidden-size", ["generate", "--checkpoint", "{tmp}/m", "--prompt", "hi"], "required key 'hidden_size' is missing", files={"m/config.json": '{"model_type": "llama", "num_attention_heads": 2, "num_hidden_layers": 1, "intermediate_size": 8, "vocab_size": 16}'}),
     Case("generate-truncated-config", ["generate", "--checkpoint", "{tmp}/m", "--prompt", "hi"], "m/config.json: line 1", files={"m/config.json": '{"format": "seqlab", "config": {'}),
     Case("generate-empty-folder", ["generate", "--checkpoint", "{tmp}", "--prompt", "hi"], "no model here"),
-    Case("generate-json-no-dir", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--json", "{tmp}/nodir/out.json"], "--json"),
     Case("generate-json-under-file", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--json", "{tmp}/f/out.json"], "is a file", files={"f": "x"}),
     Case("generate-json-is-dir", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--json", "{tmp}"], "is a directory"),
     Case("generate-device-cuda", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--device", "cuda:99"], "--device cuda:99"),

@@ -26,7 +26,7 @@ def ckpt(tmp_path_factory):
 
 def test_generate_greedy_matches_the_library(ckpt, tmp_path, capsys):
     d, model, tok = ckpt
-    out_json = tmp_path / "out.json"
+    out_json = tmp_path / "new" / "out.json"  # a missing folder is made, as by eval --json and perplexity --json
     rc = main(["generate", "--checkpoint", str(d), "--prompt", "hello", "--prompt", "a", "--max-new-tokens", "6",
                "--json", str(out_json), "--metrics"])
     assert rc == 0

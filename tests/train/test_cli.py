@@ -68,6 +68,36 @@ def test_every_objective_trains_from_the_cli(tmp_path, text_file, objective):
     assert state["train_config"]["objective"] == objective
 
 
+def test_embed_reads_an_mlm_run(tmp_path, text_file, capsys):
+    """`seqlab embed --model` takes a seqlab encoder run as well as a Hugging Face folder, with the [BOS] ... [EOS]
+    rows it was trained on; a decoder run is refused by name."""
+    import torch
+
+    from seqlab.cli.embed import load_embedder
+    from seqlab.eval.embeddings import sentence_embeddings
+
+    run = tmp_path / "mlm"
+    assert main(["train", "--objective", "mlm", "--out", str(run), "--max-steps", "1", *TINY, "--data", str(text_file),
+                 "--tokenizer", "byte"]) == 0
+    capsys.readouterr()
+    assert main(["embed", "--model", str(run), "to be", "or not", "to be"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    v = torch.tensor([r["embedding"] for r in rows])
+    model, tokenizer, max_length = load_embedder(run)
+    assert v.shape == (3, model.config.d_model) and torch.allclose(v.norm(dim=1), torch.ones(3), atol=1e-5)
+    assert torch.equal(v[0], v[2]) and not torch.allclose(v[0], v[1])
+    assert tokenizer.encode("to", add_special_tokens=True) == [tokenizer.bos_id, *tokenizer.encode("to"), tokenizer.eos_id]
+    direct = sentence_embeddings(model, tokenizer, ["to be", "or not"], max_length=max_length)
+    assert torch.allclose(direct, v[:2], atol=1e-6)
+
+    clm = tmp_path / "clm"
+    assert main(["train", "--out", str(clm), "--max-steps", "1", *TINY, "--data", str(text_file), "--tokenizer",
+                 "byte"]) == 0
+    capsys.readouterr()
+    assert main(["embed", "--model", str(clm), "hi"]) == 2
+    assert "need an encoder" in capsys.readouterr().err
+
+
 def test_bad_data_file_gives_a_clear_error(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"source": "a", "target": "b"}\n{"source": "a"\n')

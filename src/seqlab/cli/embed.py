@@ -13,21 +13,25 @@ import json
 import sys
 from pathlib import Path
 
+from seqlab.cli.model_args import source_kind, use_trained_special_rule
 from seqlab.cli.packaged import MINILM_PACKAGE, missing_package, packaged_minilm
 from seqlab.data import Tokenizer
 from seqlab.eval.embeddings import sentence_embeddings
-from seqlab.io import load_hf
+from seqlab.io import load_pretrained, resolve_checkpoint
 from seqlab.io.tensors import read_config_json
+from seqlab.runtime.files import check_readable_file
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser(
         "embed", help="sentence embeddings (default: packaged all-MiniLM-L6-v2)",
-        description="Mean-pooled, L2-normalised sentence embeddings from a BERT-style encoder (Hugging Face folder). "
+        description="Mean-pooled, L2-normalised sentence embeddings from a BERT-style encoder (a Hugging Face folder, "
+                    "or a seqlab encoder checkpoint such as an mlm run). "
                     "Prints one JSON object per line: {\"text\": ..., \"embedding\": [...]}.",
     )
     e.add_argument("texts", nargs="*", help="sentences to embed (or use --file, or stdin)")
-    e.add_argument("--model", metavar="DIR", help=f"HF model folder (default: the one shipped by `{MINILM_PACKAGE}`)")
+    e.add_argument("--model", metavar="DIR", help="a BERT-like Hugging Face folder, or a seqlab encoder checkpoint or run directory (e.g. "
+                   f"an mlm run; default: the model shipped by `{MINILM_PACKAGE}`)")
     e.add_argument("--file", metavar="PATH", help="read sentences from this file, one per line")
     e.add_argument("--max-length", type=int, default=None, help="truncate inputs to this many tokens "
                    "(default: sentence_bert_config.json's max_seq_length, else 512)")
@@ -39,14 +43,17 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def load_embedder(folder: str | Path | None = None):
-    """(model, tokenizer, max_length) for a BERT-style HF folder (default: the packaged all-MiniLM-L6-v2)."""
-    path = Path(folder) if folder else packaged_minilm()
+    """(model, tokenizer, max_length) for a BERT-style HF folder or a seqlab encoder checkpoint (default: the
+    packaged all-MiniLM-L6-v2)."""
+    path = resolve_checkpoint(folder) if folder else packaged_minilm()
     if path is None:
         raise missing_package(MINILM_PACKAGE, "--model")
-    model = load_hf(path)
+    model = load_pretrained(path)
     if model.config.arch != "encoder":
         raise ValueError(f"{path}: embeddings need an encoder (BERT-like) model, this is a {model.config.arch!r}")
     tokenizer = Tokenizer.from_pretrained(path)
+    if source_kind(model) == "seqlab":  # trained here: its rows were [BOS] ... [EOS], as BERT's [CLS] ... [SEP]
+        use_trained_special_rule(tokenizer, model.config.arch)
     max_length = model.config.max_seq_len
     st = path / "sentence_bert_config.json"
     if st.is_file():
@@ -57,7 +64,8 @@ def load_embedder(folder: str | Path | None = None):
 def run_embed(args: argparse.Namespace) -> int:
     texts = list(args.texts)
     if args.file:
-        texts += [line.rstrip("\n") for line in Path(args.file).read_text(encoding="utf-8").splitlines() if line.strip()]
+        text = check_readable_file(args.file, "--file").read_text(encoding="utf-8")
+        texts += [line for line in text.splitlines() if line.strip()]
     if not texts and not sys.stdin.isatty():
         texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not texts:

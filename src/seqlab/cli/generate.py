@@ -14,14 +14,14 @@ import warnings
 import torch
 
 from seqlab.accel import accelerate
-from seqlab.cli.model_args import add_model_source, check_writable, load_model, prompt_ids
+from seqlab.cli.model_args import add_model_source, load_model, prompt_ids
 from seqlab.generate import GenerationConfig, generate_output, stream
 from seqlab.generate.chat import turn_end_ids
 from seqlab.generate.engine import is_encoder_decoder
 from seqlab.io import load_pretrained
 from seqlab.quant.convert import model_layout
 from seqlab.runtime import atomic_write_text
-from seqlab.runtime.files import check_readable_file
+from seqlab.runtime.files import check_readable_file, check_writable_file
 from seqlab.runtime.memory import keep_freed_blocks
 
 
@@ -140,7 +140,7 @@ def _check_combination(args, strategy: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.json:
-        check_writable(args.json, "--json")
+        check_writable_file(args.json, "--json")
     if args.prompts_file:
         with open(check_readable_file(args.prompts_file, "--prompts-file"), encoding="utf-8") as f:
             prompts = [line.rstrip("\n") for line in f if line.strip()]

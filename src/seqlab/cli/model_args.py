@@ -13,7 +13,6 @@ commands differ only in what they do with the model.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,21 +78,6 @@ class LoadedModel:
     model: nn.Module
     tokenizer: Tokenizer
     path: Path
-
-
-def check_writable(path: str | os.PathLike, flag: str) -> None:
-    """Refuse an output path that cannot be written, before any work is done (names the flag)."""
-    p = Path(path)
-    if p.is_dir():
-        raise ValueError(f"{flag} {p}: is a directory")
-    parent = p.parent if str(p.parent) else Path(".")
-    ancestor = next((a for a in [parent, *parent.parents] if a.exists()), None)
-    if ancestor is not None and not ancestor.is_dir():
-        raise ValueError(f"{flag} {p}: {ancestor} is a file, not a directory")
-    if not parent.is_dir():
-        raise ValueError(f"{flag} {p}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
-        raise ValueError(f"{flag} {p}: not writable")
 
 
 def load_model(args: argparse.Namespace, default_gguf: Path | None = None) -> LoadedModel:
