@@ -1,7 +1,9 @@
-"""torchrun --nproc_per_node 2 (gloo) gives the same losses as one process with the same global batch."""
+"""torchrun --nproc_per_node 2 (gloo) gives the same losses as one process with the same global batch, and its
+checkpoints resume in one process (twice the gradient accumulation) onto the same losses."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -32,3 +34,17 @@ def test_two_processes_match_one(tmp_path):
         for a, b in zip(single.losses, res[mode]["losses"]):
             assert abs(a - b) < 1e-5, (mode, single.losses, res[mode]["losses"])
         assert Path(res[mode]["checkpoint"]).name == "step_00000003"  # rank 0 wrote the final checkpoint
+
+        # the 2-process run's step-2 checkpoint, resumed in 1 process with grad_accum 2: the same global batch, so
+        # the same data; the step-3 loss is the uninterrupted runs' (RNG streams are re-seeded, dropout is off)
+        moved = tmp_path / f"{mode}_in_one"
+        shutil.copytree(tmp_path / mode, moved)
+        shutil.rmtree(moved / "checkpoints" / "step_00000003")
+        with pytest.raises(ValueError, match="--grad-accum 2 keeps it with 1 process"):
+            make_trainer(tmp_path, out=moved.name, data=data, steps=3, batch_size=2, grad_accum=1, parallel=mode,
+                         resume=True)
+        resumed = make_trainer(tmp_path, out=moved.name, data=data, steps=3, batch_size=2, grad_accum=2,
+                               parallel=mode, resume=True)
+        assert resumed.step == 2
+        last = resumed.fit().losses
+        assert len(last) == 1 and abs(last[0] - single.losses[2]) < 1e-5, (mode, last, single.losses)

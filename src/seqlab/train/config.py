@@ -173,11 +173,12 @@ class TrainConfig:
 # Fields that may change between a checkpoint and its resumption without breaking exactness. ``init`` may, since
 # the resumed weights come from the checkpoint, except where the objective rebuilds a reference from it (DPO: the
 # Trainer freezes it). ``max_steps`` may, but it re-stretches the schedule (the Trainer warns) and may not fall
-# below the resumed step.
+# below the resumed step. ``grad_accum`` and ``parallel`` may, so that a run moves to another number of processes:
+# the data order is a function of the global batch only, which the sampler checks is unchanged (``train/order.py``).
 RESUME_MUTABLE = frozenset({
-    "out_dir", "init", "val_data", "eval_interval_s", "max_steps", "max_time_s", "eval_interval", "eval_batches", "eval_batch_size", "log_interval",
-    "ckpt_interval", "keep_last", "progress", "plot", "compile", "activation_checkpointing", "num_threads",
-    "device",
+    "out_dir", "init", "val_data", "eval_interval_s", "max_steps", "max_time_s", "eval_interval", "eval_batches",
+    "eval_batch_size", "log_interval", "ckpt_interval", "keep_last", "progress", "plot", "compile",
+    "activation_checkpointing", "num_threads", "device", "grad_accum", "parallel",
 })
 
 

@@ -68,9 +68,17 @@ class StepSampler:
                 "global_batch": self.global_batch}
 
     def load_state_dict(self, d: dict) -> None:
-        if d.get("n_examples") != self.n or d.get("global_batch") != self.global_batch:
+        if d.get("n_examples") != self.n:
+            raise ValueError(f"cannot resume the data position: the checkpoint was taken with {d.get('n_examples')} "
+                             f"examples, this run has {self.n}")
+        old = d.get("global_batch")
+        if old != self.global_batch:
+            per_accum = self.batch_size * self.world
+            keeps = (f"; --grad-accum {old // per_accum} keeps it with {self.world} "
+                     f"process{'es' if self.world > 1 else ''}"
+                     if isinstance(old, int) and old % per_accum == 0 else "")
             raise ValueError(
-                f"cannot resume the data position: the checkpoint was taken with {d.get('n_examples')} examples and a "
-                f"global batch of {d.get('global_batch')}, this run has {self.n} and {self.global_batch}"
-            )
+                f"cannot resume the data position: the checkpoint's global batch (batch_size x grad_accum x "
+                f"processes) is {old}, this run's {self.batch_size} x {self.grad_accum} x {self.world} = "
+                f"{self.global_batch}{keeps}")
         self.state = SamplerState(int(d["epoch"]), int(d["step_in_epoch"]))

@@ -200,14 +200,15 @@ class Trainer:
                         frozenset({"init"}) if self.objective.uses_initial_model else frozenset())
         tr = state["trainer"]
         warning = check_resume_steps(path, old, self.cfg, int(tr["step"]), float(tr["train_seconds"]))
-        if warning and self.dist.is_main:
-            print(f"[seqlab] warning: {warning}", file=sys.stderr)
+        try:  # first of the restores: another number of processes must keep the global batch
+            self.sampler.load_state_dict(tr["sampler"])
+        except ValueError as e:
+            raise ckpt.CheckpointError(f"{path}: {e}") from None
         opts = sd_api.StateDictOptions(full_state_dict=True, strict=True)
         sd_api.set_model_state_dict(self.raw_model, model_sd, options=opts)
         if optim_sd is not None:
             sd_api.set_optimizer_state_dict(self.raw_model, self.optimizer, optim_sd, options=opts)
         self.step, self.tokens_seen, self.train_seconds = int(tr["step"]), int(tr["tokens_seen"]), float(tr["train_seconds"])
-        self.sampler.load_state_dict(tr["sampler"])
         rng = state.get("rng") or []
         if len(rng) == self.dist.world_size:
             restore_rng(rng[self.dist.rank])
@@ -222,7 +223,9 @@ class Trainer:
             self.train_data.load_state_dict(state["data_state"])
         self.last_eval = state.get("last_eval") or {}
         self.last_checkpoint = Path(path)
-        if self.dist.is_main:
+        if self.dist.is_main:  # warned only now: a resume that a restore above refuses changes no schedule
+            if warning:
+                print(f"[seqlab] warning: {warning}", file=sys.stderr)
             print(f"[seqlab] resumed from {path} at step {self.step}")
 
     # --- the step ---------------------------------------------------------------------------------------------
