@@ -5,7 +5,7 @@ import json
 import pytest
 
 from seqlab.data import DataError, build_dataset
-from seqlab.data.readers import read_documents, read_preferences, read_seq2seq, read_sft
+from seqlab.data.readers import read_documents, read_jsonl, read_preferences, read_seq2seq, read_sft
 from tests.objectives.helpers import TOK
 
 
@@ -95,3 +95,12 @@ def test_good_files_and_split_rule(tmp_path):
     assert tr.info["n_tokens"] + va.info["n_tokens"] == len(text) + 4  # BOS before and EOS after each part
     assert va[0][0] == TOK.bos_id and tr[0][0] == TOK.bos_id  # as generation and perplexity start a prompt
     assert TOK.decode(va[0][1:]).startswith("line 9")  # the last ~5 %, cut at a line break
+
+
+def test_jsonl_lines_end_at_newline_only(tmp_path):
+    """U+2028, U+2029 and U+0085 may stand raw in a JSON string (``ensure_ascii=False`` writes them so): they do
+    not end a JSONL line, and a CRLF file reads as an LF one."""
+    rows = [{"source": f"a\u2028b\u2029c\u0085d {i}", "target": "x"} for i in range(3)]
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    assert [obj for _, obj in read_jsonl(_write(tmp_path, "u.jsonl", text))] == rows
+    assert [n for n, _ in read_jsonl(_write(tmp_path, "crlf.jsonl", text.replace("\n", "\r\n")))] == [1, 2, 3]

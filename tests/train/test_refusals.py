@@ -17,6 +17,8 @@ CASES = [  # (id, extra args ("{tmp}" is the test's folder), what the one stderr
     ("weight-decay-nan", ["--weight-decay", "nan"], "TrainConfig.weight_decay: must be a finite number, got nan"),
     ("threads-0", ["--threads", "0"], "(--threads) must be a positive integer, got 0"),
     ("threads-negative", ["--threads", "-2"], "(--threads) must be a positive integer, got -2"),
+    ("eval-batch-size-0", ["--eval-batch-size", "0"], "(--eval-batch-size) must be a positive integer, got 0"),
+    ("eval-batches-0", ["--eval-batches", "0"], "(--eval-batches) must be a positive integer, got 0"),
     ("dpo-beta-text", ["--objective", "dpo", "--objective-arg", "beta=abc"], "(--objective-arg) objective 'dpo': "
                                                                              "option beta='abc' must be a number"),
     ("dpo-reference", ["--objective", "dpo", "--objective-arg", "reference=1"], "option reference=1 must be"),

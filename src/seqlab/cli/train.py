@@ -67,6 +67,8 @@ _TRAIN_OPTIONS = [
     ("--parallel", "parallel", str, "ddp | fsdp (under torchrun; default ddp)"),
     ("--eval-interval", "eval_interval", int, "evaluate every N steps (default 200; 0: only at the end)"),
     ("--eval-batches", "eval_batches", int, "batches per evaluation (default: the whole split)"),
+    ("--eval-batch-size", "eval_batch_size", int, "rows per evaluation batch (default: --batch-size); with "
+                                                  "--eval-batches, the same rows under any number of processes"),
     ("--log-interval", "log_interval", int, "write metrics every N steps (default 10)"),
     ("--ckpt-interval", "ckpt_interval", int, "checkpoint every N steps (default 500; 0: only at the end)"),
     ("--keep-last", "keep_last", int, "checkpoints to keep (default 3)"),

@@ -54,9 +54,11 @@ def read_text_file(path: str | os.PathLike) -> str:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
-    """``(line_number, object)`` for every non-blank line; each line must be a JSON object."""
+    """``(line_number, object)`` for every non-blank line; each line must be a JSON object. Lines end at ``\n``
+    only (a CRLF's ``\r`` is JSON whitespace): ``str.splitlines`` would also cut at U+2028, U+2029 and U+0085, which
+    JSON strings may hold raw, as ``json.dumps(..., ensure_ascii=False)`` writes them."""
     out = []
-    for lineno, line in enumerate(read_text_file(path).splitlines(), start=1):
+    for lineno, line in enumerate(read_text_file(path).split("\n"), start=1):
         if not line.strip():
             continue
         try:

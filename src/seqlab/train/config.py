@@ -125,11 +125,11 @@ class TrainConfig:
             raise TrainConfigError("parallel", f"unknown mode {self.parallel!r}; expected one of {PARALLEL}")
         if self.schedule not in SCHEDULES:
             raise TrainConfigError("schedule", f"unknown schedule {self.schedule!r}; expected one of {SCHEDULES}")
-        if self.eval_batches is not None and self.eval_batches <= 0:
-            raise TrainConfigError("eval_batches", f"must be positive or None, got {self.eval_batches!r}")
-        if self.num_threads is not None and (not isinstance(self.num_threads, int) or isinstance(self.num_threads, bool)
-                                             or self.num_threads <= 0):
-            raise TrainConfigError("num_threads", f"(--threads) must be a positive integer, got {self.num_threads!r}")
+        for name, flag in (("eval_batches", "--eval-batches"), ("eval_batch_size", "--eval-batch-size"),
+                           ("num_threads", "--threads")):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise TrainConfigError(name, f"({flag}) must be a positive integer, got {value!r}")
         if self.objective not in OBJECTIVES:
             raise TrainConfigError("objective", f"unknown objective {self.objective!r}; expected one of {sorted(OBJECTIVES)}")
         try:  # now, before a run folder is written: a bad value would otherwise surface mid-run, or as a TypeError
