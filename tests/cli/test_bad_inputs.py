@@ -52,6 +52,9 @@ _TINY = ["--preset", "tiny", "--tokenizer", "byte", "--max-steps", "1", "--batch
 
 TRAIN_CASES: list[Case] = [
     Case("train-into-existing-run", ["train", *_TINY, "--out", "{run}"], "--resume"),
+    Case("train-resume-recorded-bad-field", ["train", "--out", "{tmp}/r", "--resume", "--max-steps", "3"],
+         "r/config.json: TrainConfig.batch_size: must be a positive integer, got 'four'",
+         files={"r/config.json": '{"train": {"batch_size": "four"}, "model": null}'}),
     Case("train-resume-and-overwrite", ["train", *_TINY, "--out", "{run}", "--resume", "--overwrite"], "--overwrite"),
     Case("train-out-is-a-file", ["train", *_TINY, "--out", "{tmp}/afile"], "is a file", files={"afile": "x"}),
     Case("train-out-under-a-file", ["train", *_TINY, "--out", "{tmp}/afile/run"], "lies under", files={"afile": "x"}),

@@ -44,6 +44,17 @@ def _runs(ids, labels):
     return [TOK.decode(r, skip_special_tokens=False) for r in runs]
 
 
+def test_openai_string_arguments_render_as_written():
+    """OpenAI's API sends a call's arguments as a JSON string: rendered as written, the same text as the object
+    form, not encoded twice (which would teach a model escaped JSON)."""
+    as_string = {"name": "calculator", "arguments": '{"expression": "17*23"}'}
+    convo = [dict(m) for m in CONVO]
+    convo[2] = {**convo[2], "tool_calls": [{"type": "function", "function": as_string}]}
+    assert render_chat_template(TOK.chat_template, convo) == render_chat_template(TOK.chat_template, CONVO)
+    ex = tokenize_chat(TOK, convo)
+    assert _runs(ex["input_ids"], ex["labels"]) == EXPECTED_SPANS
+
+
 def test_mask_covers_exactly_the_assistant_spans():
     ex = tokenize_chat(TOK, CONVO)
     text = render_chat_template(TOK.chat_template, CONVO)

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from seqlab.accel import AccelPlan, accelerate
+from seqlab.config import ConfigError
 from seqlab.io.checkpoint import load_pretrained
 from seqlab.objectives import OBJECTIVES
 from seqlab.runtime.dist import resolve_device
@@ -166,7 +167,12 @@ def make_config(args: argparse.Namespace) -> TrainConfig:
         base = read_run_config(args.out)
         base.update(given)
         base["out_dir"] = args.out
-        cfg = TrainConfig.from_dict(base)
+        try:
+            cfg = TrainConfig.from_dict(base)
+        except ConfigError as e:  # a recorded value (not one given now) is bad: name the file it came from
+            if getattr(e, "field", None) in given:
+                raise
+            raise ValueError(f"{Path(args.out) / 'config.json'}: {e}") from None
     else:
         cfg = TrainConfig(out_dir=args.out, **given)
     _check_options(cfg, given)

@@ -36,7 +36,9 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, BOS, EOS, MASK, IM_START, IM_END)
 
 # ChatML with tool calls: the default template of the tokenizers built here. Newlines are emitted explicitly
-# because the sandbox runs with trim_blocks/lstrip_blocks (as Hugging Face does).
+# because the sandbox runs with trim_blocks/lstrip_blocks (as Hugging Face does). A call's ``arguments`` may be an
+# object or, as OpenAI's API sends them, a JSON string, which goes in as written (as Qwen's templates do), not
+# encoded a second time.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' }}"
@@ -44,7 +46,8 @@ CHATML_TEMPLATE = (
     "{% if message['tool_calls'] %}"
     "{% for call in message['tool_calls'] %}"
     "{% if call['function'] is defined %}{% set call = call['function'] %}{% endif %}"
-    "{{ '<tool_call>' + ({'name': call['name'], 'arguments': call['arguments']} | tojson) + '</tool_call>' }}"
+    "{% set arguments = call['arguments'] if call['arguments'] is string else call['arguments'] | tojson %}"
+    "{{ '<tool_call>{\"name\": ' + (call['name'] | tojson) + ', \"arguments\": ' + arguments + '}</tool_call>' }}"
     "{% endfor %}"
     "{% endif %}"
     "{{ '<|im_end|>' + '\\n' }}"
