@@ -104,3 +104,16 @@ def test_jsonl_lines_end_at_newline_only(tmp_path):
     text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
     assert [obj for _, obj in read_jsonl(_write(tmp_path, "u.jsonl", text))] == rows
     assert [n for n, _ in read_jsonl(_write(tmp_path, "crlf.jsonl", text.replace("\n", "\r\n")))] == [1, 2, 3]
+
+
+def test_a_text_of_few_lines_holds_out_about_five_percent(tmp_path):
+    """A one-paragraph-per-line file: the cut goes after a space near 95 %, not back to the last line break (which
+    here would hand 99 % of the text to validation)."""
+    from seqlab.data.datasets import split_text
+
+    text = "My Essay\n\n" + " ".join(["alpha", "beta", "gamma", "delta"] * 1000) + "\n"
+    val, train = split_text(text, "validation"), split_text(text, "train")
+    assert train + val == text and 0.05 <= len(val) / len(text) <= 0.075
+    assert train.endswith(" ") and not val.startswith(" ")
+    lines = "".join(f"line {i}\n" for i in range(1000))  # many lines: still cut at one
+    assert split_text(lines, "validation").startswith("line 95") and split_text(lines, "train").endswith("\n")

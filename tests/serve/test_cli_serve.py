@@ -12,10 +12,13 @@ import threading
 import time
 
 import openai
+import torch
 
 from seqlab.cli import main
+from seqlab.config import ModelConfig
 from seqlab.data.tokenizers import ByteTokenizer
 from seqlab.io import save_pretrained
+from seqlab.model import build_model
 from tests.generate.gen_helpers import tiny_decoder
 
 MESSAGE = "the cat sat on"
@@ -109,3 +112,16 @@ def test_serve_reads_a_completion_prompt_as_generate_does(tmp_path, capsys):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_serve_refuses_an_encoder_before_timing_routes(tmp_path, capsys):
+    """An encoder (an mlm run) cannot serve completions: one line saying so, with the default CPU routes on (their
+    prefill timing would otherwise try to fill a cache the encoder does not have)."""
+    tok = ByteTokenizer()
+    torch.manual_seed(0)
+    encoder = build_model(ModelConfig(arch="encoder", vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2,
+                                      max_seq_len=32, pos="learned", norm="layernorm", mlp="gelu")).eval()
+    save_pretrained(encoder, tmp_path / "enc")
+    tok.save(tmp_path / "enc" / "tokenizer.json")
+    assert main(["serve", "--checkpoint", str(tmp_path / "enc"), "--port", "0"]) == 2
+    assert "serving needs a decoder (causal LM) model, this one is 'encoder'" in capsys.readouterr().err

@@ -325,7 +325,7 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
         if kernels is not None:
             install_pointwise(model, kernels)
             plan.pointwise = f"{kernels.min_rows}+ rows on seqlab's kernels ({kernels.isa})"
-    if for_ == "decode" and compute == torch.float32:
+    if for_ == "decode" and compute == torch.float32 and cfg.arch != "encoder":  # an encoder has no prompt to fill
         # bf16 products only under "auto"; oneDNN's fp32 always (timed with the attention just chosen)
         cast, plan.prefill_s = choose_prefill_cast(model, use_cache=use_cache, allow_bf16=dtype == "auto")
         if cast is not None:  # fp32 weights and decode steps, another route for prompts of min_tokens or more
