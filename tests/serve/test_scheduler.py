@@ -148,6 +148,20 @@ def test_cancel_frees_the_slot_and_the_queue_is_bounded(model):
         engine.submit(Request(list(range(96)), 5, lambda ev: None, TOK))
 
 
+def test_a_burst_fills_the_free_slots_before_the_queue(model):
+    """Requests the worker has not picked up yet but a free slot will take are not "waiting for a slot": a burst of
+    max_batch + max_queue requests is accepted before any step runs, and the next one is refused."""
+    engine = Engine(model, max_batch=4, max_queue=2, context=96)
+    burst = [Request([1, 2], 3, lambda ev: None, TOK, temperature=0) for _ in range(6)]
+    for r in burst:
+        engine.submit(r)
+    with pytest.raises(QueueFullError, match="2 requests are already waiting for a slot"):
+        engine.submit(Request([3], 3, lambda ev: None, TOK))
+    while engine.busy:
+        engine.step()
+    assert all(len(r.generated) == 3 for r in burst)
+
+
 def test_a_failing_request_fails_alone(model):
     class Broken(LetterTokenizer):
         def decode(self, ids, skip_special_tokens=False):

@@ -140,6 +140,21 @@ def test_bad_fields_are_400_naming_the_field(server, body, param):
     assert param in e.value.body["message"]
 
 
+@pytest.mark.parametrize("field, value", [("min_tokens", 25), ("repetition_penalty", 2.0), ("min_p", 0.9),
+                                          ("stop_token_ids", [13]), ("max_new_tokens", 3), ("guided_json", {})])
+def test_unknown_or_unimplemented_sampling_fields_are_400(server, field, value):
+    """vLLM's sampling extensions (a client of such a server sends them) and fields no one defined: refused by
+    name, not silently dropped; their neutral values and fields that do not change a reply pass."""
+    url, _ = server
+    status, body = post(f"{url}/v1/chat/completions", json.dumps(
+        {"model": MODEL_ID, "messages": HELLO, "max_tokens": 4, field: value}).encode())
+    assert status == 400 and body["error"]["param"] == field, body
+    status, body = post(f"{url}/v1/chat/completions", json.dumps(
+        {"model": MODEL_ID, "messages": HELLO, "max_tokens": 4, "repetition_penalty": 1.0, "min_tokens": 0,
+         "user": "u1", "metadata": {"k": "v"}, "store": False, "skip_special_tokens": True}).encode())
+    assert status == 200, body
+
+
 def test_context_overflow_and_a_completion_asking_for_logprobs_are_400(server):
     """OpenAI answers a request whose prompt and max_tokens pass the context with 400, not a quietly shorter
     reply; a completion's ``logprobs: 0`` asks for the sampled tokens' log-probabilities (0 == false in Python)."""
@@ -245,18 +260,20 @@ def test_a_full_queue_is_429(tiny_gguf):
             results.append(client(url).chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=3,
                                                                temperature=0))
 
-        waiting = [threading.Thread(target=ask) for _ in range(2)]
+        # one request for the free slot and two waiting for a slot: the engine has not picked any of them up
+        waiting = [threading.Thread(target=ask) for _ in range(3)]
         for t in waiting:
             t.start()
-        while len(engine.waiting) < 2:
+        while len(engine.waiting) < 3:
             time.sleep(0.01)
         with pytest.raises(openai.RateLimitError) as e:
-            client(url).chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=3)
+            client(url, timeout=30).chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=3)
         assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+        assert "2 requests are already waiting for a slot" in e.value.body["message"]
         engine.start()  # the queued requests are then served
         for t in waiting:
             t.join(timeout=30)
-        assert [r.usage.completion_tokens for r in results] == [3, 3]
+        assert [r.usage.completion_tokens for r in results] == [3, 3, 3]
 
 
 def test_sse_wire_format(server):

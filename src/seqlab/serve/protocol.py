@@ -103,8 +103,20 @@ _NOT_IMPLEMENTED = {
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "frequency_penalty": (None, 0), "presence_penalty": (None, 0), "logit_bias": (None, {}), "suffix": (None, ""),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
-    "functions": (None, []), "function_call": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "modalities": (None, ["text"]),
+    "audio": (None,), "reasoning_effort": (None,), "verbosity": (None,), "web_search_options": (None,),
+    # vLLM's sampling extensions beyond top_k and ignore_eos, which a client of such a server sends
+    "min_tokens": (None, 0), "min_p": (None, 0), "repetition_penalty": (None, 1), "stop_token_ids": (None, []),
+    "length_penalty": (None, 1), "use_beam_search": (None, False), "include_stop_str_in_output": (None, False),
+    "skip_special_tokens": (None, True),
 }
+# Fields read by _common and the two parsers, and fields that do not change a reply (who asked, how it is billed
+# or stored): any other field is refused by name, since ignoring it could return a reply that looks like an
+# answer to it and is not.
+_READ = frozenset({"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+                   "top_k", "seed", "stop", "stream", "stream_options", "n", "ignore_eos"})
+_NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                        "safety_identifier", "prediction"})
 
 
 def _neutral(value: Any, neutral: tuple) -> bool:
@@ -116,6 +128,9 @@ def _neutral(value: Any, neutral: tuple) -> bool:
 def _common(body: Any) -> GenerationRequest:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    unknown = sorted(k for k in body if k not in _READ and k not in _NO_EFFECT and k not in _NOT_IMPLEMENTED)
+    if unknown:
+        raise bad(unknown[0], "is not a field this server knows; it is refused rather than ignored")
     for name, neutral in _NOT_IMPLEMENTED.items():
         value = body.get(name)
         if not _neutral(value, neutral):

@@ -148,8 +148,12 @@ class Engine:
         with self._cv:
             if not self.accepting:
                 raise NotAcceptingError("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFullError(f"{len(self.waiting)} requests are already waiting (--max-queue "
+            # only the requests no free slot will take count against the queue: a burst of up to max_batch +
+            # max_queue requests is accepted, however many of them the worker has not picked up yet
+            free = self.max_batch - self.cache.active - (self.prefilling is not None)
+            queued = len(self.waiting) - max(free, 0)
+            if queued >= self.max_queue:
+                raise QueueFullError(f"{queued} requests are already waiting for a slot (--max-queue "
                                      f"{self.max_queue}); retry later")
             self.waiting.append(request)
             self._cv.notify()
