@@ -1,6 +1,7 @@
 """GGUF Q4_0 / Q4_1 / Q8_0 blocks map onto the int layouts exactly, and a GGUF model loads kept quantised."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -52,6 +53,16 @@ def test_gguf_model_kept_quantised_equals_dense(tmp_path):
     with torch.no_grad():
         a, b = dense(ids), quant(ids)
     assert float((a - b).abs().max()) <= 1e-4 * float(a.abs().max())
+
+    # `perplexity --quant gguf --json` records the scheme asked for, not the bits of whichever layer comes first
+    # (here the int8 head)
+    from seqlab.cli import main
+
+    (tmp_path / "t.txt").write_text("the quick brown fox then the end\n" * 3)
+    assert main(["perplexity", "--gguf", str(path), "--quant", "gguf", "--file", str(tmp_path / "t.txt"), "--window",
+                 "16", "--json", str(tmp_path / "p.json")]) == 0
+    result = json.loads((tmp_path / "p.json").read_text())
+    assert result["quant"] == "gguf" and "int4" in result["quant_layers"] and "int8" in result["quant_layers"]
 
 
 def test_types_without_a_layout_are_dequantised_with_a_message(tmp_path):

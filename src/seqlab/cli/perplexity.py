@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 
 from seqlab.cli.model_args import add_model_source, load_model
 from seqlab.data.corpus import load_corpus
@@ -57,8 +58,11 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_model(args)
     model, tok = loaded.model, loaded.tokenizer
     score = score_text(model, tok, text, args.window, args.stride)
-    stored = model.config.extra.get("quant")  # a quantised checkpoint: the bits it was saved with
-    quant = "int%d" % next(iter(stored["layers"].values()))["bits"] if stored else args.quant
+    stored = model.config.extra.get("quant")
+    if args.quant or not stored:  # the scheme asked for (gguf: the file's own blocks), or none
+        quant = args.quant
+    else:  # a quantised checkpoint: the bits most of its layers were saved with (the LM head may differ)
+        quant = "int%d" % Counter(spec["bits"] for spec in stored["layers"].values()).most_common(1)[0][0]
     layers = model_layout(model)  # the group sizes too: g32 and g64 differ
     result = {"perplexity": score.perplexity, "bits_per_byte": score.bits_per_byte, "tokens": score.tokens,
               "bytes": score.bytes, "quant": quant, "window": score.window, "stride": score.stride,
