@@ -32,8 +32,8 @@ def bpe():
 
 def _model(vocab: int, **kw):
     torch.manual_seed(0)
-    model = build_model(ModelConfig(vocab_size=vocab, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96,
-                                    max_seq_len=64, bos_token_id=1, eos_token_id=2, pad_token_id=0, **kw))
+    shape = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, max_seq_len=64) | kw
+    model = build_model(ModelConfig(vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=0, **shape))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -151,3 +151,14 @@ def test_inexpressible_configs_are_refused(tmp_path, kw, field):
     with pytest.raises(ExportError, match=field):
         export_gguf(model, tmp_path / "x.gguf")
     assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_rows_that_are_not_whole_blocks_are_written_f16_with_a_warning(tmp_path, bpe):
+    """d_model 48 is no multiple of Q4_0's 32-value block: llama.cpp keeps such matrices f16, and so does the
+    export, naming them (the file is larger and more exact than the type asked for), not silently."""
+    model = _model(bpe.vocab_size, d_model=48, tie_embeddings=False)
+    with pytest.warns(UserWarning, match=r"--weights q4_0: .* not whole blocks of 32 written f16.*attn_q\.weight"):
+        path = export_gguf(model, tmp_path / "m.gguf", bpe, weight_type="q4_0")
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.F16
+    assert types["blk.0.ffn_down.weight"] == gguf.GGMLQuantizationType.Q4_0  # its rows hold d_ff values

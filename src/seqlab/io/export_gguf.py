@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,7 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike, tokenizer: Any = 
     if cfg.tie_embeddings:
         tensors.pop("lm_head.weight")  # no output.weight: llama.cpp (and seqlab's reader) tie to token_embd
     out = Path(out_path)
+    kept_f16: list[str] = []
     with atomic_path(out) as tmp:
         writer = _writer(gguf, tmp, arch.name)
         _write_metadata(writer, cfg, arch, tokenizer, weight_type, name)
@@ -112,11 +114,18 @@ def export_gguf(model: nn.Module, out_path: str | os.PathLike, tokenizer: Any = 
             elif ".k_proj." in hf_name:
                 values = arch.qk_from_hf(values, cfg.n_kv_heads)
             data, raw_dtype = _encode(gguf, values, weight_type)
+            if raw_dtype is None and values.ndim > 1 and weight_type not in ("f32", "f16"):
+                kept_f16.append(f"{gguf_name(hf_name)} ({values.shape[-1]} per row)")
             writer.add_tensor(gguf_name(hf_name), data, raw_dtype=raw_dtype)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
+    if kept_f16:  # said, not silent: the file is larger and more exact than the type asked for
+        block = gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, weight_type.upper())][0]
+        shown = ", ".join(kept_f16[:4]) + (f" and {len(kept_f16) - 4} more" if len(kept_f16) > 4 else "")
+        warnings.warn(f"--weights {weight_type}: {len(kept_f16)} matri{'ces' if len(kept_f16) > 1 else 'x'} with "
+                      f"rows that are not whole blocks of {block} written f16, as llama.cpp does: {shown}")
     return out
 
 
