@@ -5,7 +5,7 @@ import pytest
 from seqlab.cli import main
 from seqlab.data import ByteTokenizer, build_dataset
 from seqlab.train.config import TrainConfig
-from seqlab.train.run import dataset_options
+from seqlab.train.run import build_datasets, dataset_options
 from seqlab.train.rundir import existing_run
 from tests.train.test_cli import TINY
 
@@ -64,3 +64,17 @@ def test_a_run_recorded_before_document_bos_rebuilds_its_own_stream():
     after = build_dataset("clm", None, tok, 64, "validation", **dataset_options(new))
     assert before[0][0] != tok.bos_id and after[0][0] == tok.bos_id
     assert after.info["n_tokens"] > before.info["n_tokens"]
+
+
+def test_dpo_max_len_cuts_the_pairs_the_trainer_reads(tmp_path):
+    """``--objective-arg max_len=N`` is honoured by the datasets the trainer and `seqlab eval` build (it was
+    checked and recorded, then ignored), as ``DPO.tokenize`` honours it."""
+    prefs = tmp_path / "prefs.jsonl"
+    prefs.write_text("".join('{"prompt": "Say hi %d please", "chosen": "Hi there %d", "rejected": "No"}\n' % (i, i)
+                             for i in range(30)))
+    tok = ByteTokenizer()
+    cfg = TrainConfig(objective="dpo", data=str(prefs), seq_len=64, objective_kwargs={"max_len": 8})
+    for split in build_datasets(cfg, tok):
+        assert all(len(ex["prompt_ids"]) + len(ex["chosen_ids"]) <= 8 for ex in split)
+    full, _ = build_datasets(cfg.replace(objective_kwargs={}), tok)
+    assert max(len(ex["prompt_ids"]) + len(ex["chosen_ids"]) for ex in full) > 8

@@ -24,7 +24,7 @@ from seqlab.runtime.dist import resolve_device
 from seqlab.runtime.errors import CheckpointError
 from seqlab.train.config import TrainConfig
 from seqlab.train.precision import Precision, resolve_precision
-from seqlab.train.run import FolderLoader, dataset_options, initial_model, validation_dataset
+from seqlab.train.run import FolderLoader, dataset_options, initial_model, row_length, validation_dataset
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -77,11 +77,11 @@ def _eval_data(cfg: TrainConfig, tok: Any, data: str | None, split: str) -> tupl
     """(examples, what they are, split) for ``seqlab eval``: ``data`` whole; else the run's validation set exactly
     as the trainer built it (its ``--val-data`` if it had one), or the training split of its ``--data``."""
     if data is not None:
-        ds = build_dataset(cfg.objective, data, tok, cfg.seq_len, "all", cfg.seed, **dataset_options(cfg))
+        ds = build_dataset(cfg.objective, data, tok, row_length(cfg), "all", cfg.seed, **dataset_options(cfg))
         return ds, data, "all"
     if split != "all" and normalise_split(split) == "validation" and cfg.val_data is not None:
         return validation_dataset(cfg, tok), cfg.val_data, "all"
-    ds = build_dataset(cfg.objective, cfg.data, tok, cfg.seq_len, split, cfg.seed, **dataset_options(cfg))
+    ds = build_dataset(cfg.objective, cfg.data, tok, row_length(cfg), split, cfg.seed, **dataset_options(cfg))
     return ds, cfg.data or "embedded default", split if split == "all" else normalise_split(split)
 
 

@@ -68,18 +68,26 @@ def dataset_options(cfg: TrainConfig) -> dict[str, Any]:
     return {"pack": bool(cfg.pack and objective_class(cfg.objective).can_pack), "document_bos": cfg.document_bos}
 
 
+def row_length(cfg: TrainConfig) -> int:
+    """Tokens per example: ``seq_len``, or DPO's ``max_len`` option where it is shorter (it cuts each pair, in the
+    trainer as in ``DPO.tokenize``)."""
+    max_len = cfg.objective_kwargs.get("max_len") if cfg.objective == "dpo" else None
+    return min(cfg.seq_len, max_len) if max_len else cfg.seq_len
+
+
 def validation_dataset(cfg: TrainConfig, tokenizer) -> Any:
     """The run's validation examples: all of ``--val-data`` when the run has one, else the held-out split of
     ``--data``. ``seqlab eval`` calls this too, so it scores what the trainer scored."""
     if cfg.val_data is not None:
-        return build_dataset(cfg.objective, cfg.val_data, tokenizer, cfg.seq_len, "all", cfg.seed,
+        return build_dataset(cfg.objective, cfg.val_data, tokenizer, row_length(cfg), "all", cfg.seed,
                              **dataset_options(cfg))
-    return build_dataset(cfg.objective, cfg.data, tokenizer, cfg.seq_len, "validation", cfg.seed,
+    return build_dataset(cfg.objective, cfg.data, tokenizer, row_length(cfg), "validation", cfg.seed,
                          **dataset_options(cfg))
 
 
 def build_datasets(cfg: TrainConfig, tokenizer) -> tuple[Any, Any]:
-    train = build_dataset(cfg.objective, cfg.data, tokenizer, cfg.seq_len, "train", cfg.seed, **dataset_options(cfg))
+    train = build_dataset(cfg.objective, cfg.data, tokenizer, row_length(cfg), "train", cfg.seed,
+                          **dataset_options(cfg))
     return train, validation_dataset(cfg, tokenizer)
 
 
