@@ -1,6 +1,7 @@
 """Every malformed input gives one clear DataError naming the file and the line."""
 
 import json
+import warnings
 
 import pytest
 
@@ -117,3 +118,27 @@ def test_a_text_of_few_lines_holds_out_about_five_percent(tmp_path):
     assert train.endswith(" ") and not val.startswith(" ")
     lines = "".join(f"line {i}\n" for i in range(1000))  # many lines: still cut at one
     assert split_text(lines, "validation").startswith("line 95") and split_text(lines, "train").endswith("\n")
+
+
+def test_cut_examples_are_counted_and_answerless_sft_rows_left_out(tmp_path):
+    """An example longer than seq_len is cut with a warning naming the file and the count; an SFT example whose
+    answer lies wholly past the cut is left out (it has no target, and a batch of such rows none at all)."""
+    long_q = {"messages": [{"role": "user", "content": "q" * 80}, {"role": "assistant", "content": "a"}]}
+    long_a = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a" * 80}]}
+    path = _write(tmp_path, "chats.jsonl", _jsonl(*([long_q, long_a, GOOD_CHAT] * 10)))
+    with pytest.warns(UserWarning, match=r"chats.jsonl \(all\): 20 of 30 examples are longer than a row of 48 tokens .*"
+                                         r"10 of them keep no answer token and are left out"):
+        sft = build_dataset("sft", path, TOK, 48, "all")
+    assert len(sft) == 20 and all(len(ex["input_ids"]) <= 48 for ex in sft)
+    with pytest.raises(ValueError, match="no example keeps an answer token within --seq-len 16"):
+        build_dataset("sft", _write(tmp_path, "q.jsonl", _jsonl(*[long_q] * 3)), TOK, 16, "all")
+
+    pairs = _write(tmp_path, "pairs.jsonl", _jsonl(*[{"source": "s" * 40, "target": "t"}] * 3,
+                                                   {"source": "s", "target": "t"}))
+    with pytest.warns(UserWarning, match=r"3 of 4 examples are longer than a row of 16 tokens and are cut \(the longest "
+                                         r"is 41 tokens\); raise --seq-len"):
+        s2s = build_dataset("seq2seq", pairs, TOK, 16, "all")
+    assert [len(ex["source_ids"]) for ex in s2s] == [16, 16, 16, len(TOK.encode("s")) + 1] and s2s[0]["source_ids"][-1] == TOK.eos_id
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing cut, nothing said
+        build_dataset("seq2seq", pairs, TOK, 64, "all")

@@ -103,11 +103,16 @@ def tokenize_preference(tokenizer: Any, example: dict[str, Any], max_len: int | 
             raise ValueError("a message-list prompt needs a chat template")
         prompt_ids = tokenizer.encode(prompt)
         enc = lambda r: tokenizer.encode(r) + ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
-    chosen, rejected = enc(example["chosen"]), enc(example["rejected"])
-    if max_len is not None:
-        longest = max(len(chosen), len(rejected))
-        keep_prompt = min(len(prompt_ids), max(max_len - longest, max_len // 2))
-        prompt_ids = prompt_ids[len(prompt_ids) - keep_prompt:]
-        room = max_len - len(prompt_ids)
-        chosen, rejected = chosen[:room], rejected[:room]
-    return {"prompt_ids": prompt_ids, "chosen_ids": chosen, "rejected_ids": rejected}
+    pair = {"prompt_ids": prompt_ids, "chosen_ids": enc(example["chosen"]), "rejected_ids": enc(example["rejected"])}
+    return pair if max_len is None else cut_preference(pair, max_len)
+
+
+def cut_preference(pair: dict[str, list[int]], max_len: int) -> dict[str, list[int]]:
+    """A tokenized pair cut to ``max_len`` tokens of prompt + the longer response: prompt tokens go from the left
+    first (down to half of ``max_len``), then response tokens from the right."""
+    prompt_ids, chosen, rejected = pair["prompt_ids"], pair["chosen_ids"], pair["rejected_ids"]
+    longest = max(len(chosen), len(rejected))
+    keep_prompt = min(len(prompt_ids), max(max_len - longest, max_len // 2))
+    prompt_ids = prompt_ids[len(prompt_ids) - keep_prompt:]
+    room = max_len - len(prompt_ids)
+    return {"prompt_ids": prompt_ids, "chosen_ids": chosen[:room], "rejected_ids": rejected[:room]}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -24,7 +25,8 @@ import torch
 from torch.utils.data import Dataset
 
 from seqlab.data import readers, synthetic
-from seqlab.data.chat import tokenize_chat, tokenize_preference
+from seqlab.data.chat import cut_preference, tokenize_chat, tokenize_preference
+from seqlab.data.collate import IGNORE_INDEX
 from seqlab.data.corpus import load_documents, normalise_split
 from seqlab.data.packing import pack_documents
 
@@ -135,6 +137,40 @@ def _seq2seq_item(tokenizer: Any, seq_len: int, ex: dict[str, str]) -> dict[str,
             "target_ids": tokenizer.encode(ex["target"])[: seq_len - 1]}
 
 
+def _file_items(objective: str, path: str | os.PathLike, tokenizer: Any, seq_len: int, split: str) -> list[dict]:
+    """The ``split`` of a seq2seq / sft / dpo file, each example cut to ``seq_len`` tokens. Cut examples are counted
+    in a warning that names the file, and an SFT example left with no answer token is dropped: it would teach
+    nothing, and a batch of only such examples has no target at all."""
+    if objective == "seq2seq":
+        full = [(tokenizer.encode(ex["source"]), tokenizer.encode(ex["target"]))
+                for ex in split_items(readers.read_seq2seq(path), split, path)]
+        items = [{"source_ids": s[: seq_len - 1] + [tokenizer.eos_id], "target_ids": t[: seq_len - 1]} for s, t in full]
+        lengths = [max(len(s), len(t)) + 1 for s, t in full]  # the source ends in EOS, the target gains one in a batch
+    elif objective == "sft":
+        full = [tokenize_chat(tokenizer, ex["messages"]) for ex in split_items(readers.read_sft(path), split, path)]
+        items = [{k: v[:seq_len] for k, v in ex.items()} for ex in full]
+        lengths = [len(ex["input_ids"]) for ex in full]
+    else:
+        full = [tokenize_preference(tokenizer, ex) for ex in split_items(readers.read_preferences(path), split, path)]
+        items = [cut_preference(ex, seq_len) for ex in full]
+        lengths = [len(ex["prompt_ids"]) + max(len(ex["chosen_ids"]), len(ex["rejected_ids"])) for ex in full]
+    n_cut = sum(n > seq_len for n in lengths)
+    if objective == "sft":
+        kept = [ex for ex in items if any(label != IGNORE_INDEX for label in ex["labels"][1:])]
+        dropped, items = len(items) - len(kept), kept
+        if not items:
+            raise ValueError(f"{path} ({split}): no example keeps an answer token within --seq-len {seq_len} "
+                             f"(the longest is {max(lengths)} tokens); raise --seq-len")
+    else:
+        dropped = 0
+    if n_cut:
+        left_out = f"; {dropped} of them keep no answer token and are left out" if dropped else ""
+        warnings.warn(f"{path} ({split}): {n_cut} of {len(lengths)} examples are longer than a row of {seq_len} "
+                      f"tokens and are cut (the longest is {max(lengths)} tokens){left_out}; raise --seq-len to "
+                      "keep them whole", stacklevel=2)
+    return items
+
+
 def _synthetic_seq2seq(tokenizer, seq_len, seed, split, i):
     return _seq2seq_item(tokenizer, seq_len, synthetic.date_example(seed, i, split))
 
@@ -179,16 +215,7 @@ def build_dataset(objective: str, path: str | os.PathLike | None, tokenizer: Any
     if objective not in SYNTHETIC_SIZES:
         raise ValueError(f"unknown objective {objective!r}; expected clm, mlm, seq2seq, sft or dpo")
     if path is not None:
-        if objective == "seq2seq":
-            items = [_seq2seq_item(tokenizer, seq_len, ex)
-                     for ex in split_items(readers.read_seq2seq(path), split, path)]
-        elif objective == "sft":
-            items = [tokenize_chat(tokenizer, ex["messages"], seq_len)
-                     for ex in split_items(readers.read_sft(path), split, path)]
-        else:
-            items = [tokenize_preference(tokenizer, ex, seq_len)
-                     for ex in split_items(readers.read_preferences(path), split, path)]
-        return Examples(items, info=info)
+        return Examples(_file_items(objective, path, tokenizer, seq_len, split), info=info)
     n_train, n_val = SYNTHETIC_SIZES[objective]
     n = size or (n_val if split == "validation" else n_train)
     syn_split = "validation" if split == "validation" else "train"
