@@ -2,6 +2,7 @@
 evaluation that gives one answer whoever computes it."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -157,3 +158,20 @@ def test_dpo_has_no_perplexity_and_its_plot_says_dpo(tmp_path, monkeypatch):
     assert "val_loss" in res.eval and not {"val_ppl", "val_bpb"} & res.eval.keys()
     assert seen["ylabel"].startswith("DPO loss")
     assert torch.isfinite(torch.tensor(res.loss))
+
+
+def test_a_signal_stop_logs_its_step_and_dates_the_last_validation(tmp_path):
+    """A stop between log and eval intervals: the step it stops at is in metrics.jsonl (its checkpoint is kept),
+    and the result says which step the last validation figures are from."""
+    def interrupt_at_3(trainer, record):
+        if trainer.step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    t = make_trainer(tmp_path, steps=50, log_interval=10, eval_interval=3, callbacks=(interrupt_at_3,))
+    result = t.fit()
+    assert result.signal == signal.SIGINT and result.step == 4
+    logged = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-1] == 4 and ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints").name == "step_00000004"
+    assert result.eval_step == 3 and "val_loss" in result.eval
+    resumed = make_trainer(tmp_path, steps=50, log_interval=10, eval_interval=3, resume=True)
+    assert resumed.last_eval_step == 3 and resumed.last_eval == result.eval

@@ -254,6 +254,8 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, main_rank: bool) -> int:
         trainer.close()
     if trainer.dist.is_main:
         ev = " ".join(f"{k}={v:.4g}" for k, v in result.eval.items() if isinstance(v, float))
+        if ev and result.eval_step is not None and result.eval_step != result.step:  # a stop between evaluations
+            ev = f"(validation at step {result.eval_step}: {ev})"
         loss = f"{result.loss:.4f}" if result.loss is not None else "n/a"
         print(f"[seqlab] step {result.step} loss {loss} {ev} "
               f"({result.tokens_seen:,} tokens in {result.train_seconds:.1f} s) -> {result.checkpoint}")

@@ -72,6 +72,7 @@ class TrainResult:
     tokens_seen: int
     train_seconds: float
     eval: dict[str, float] = field(default_factory=dict)
+    eval_step: int | None = None  # the step ``eval`` was measured at (a stopped run's may be an earlier one)
     checkpoint: str | None = None
     losses: list[float] = field(default_factory=list)  # per-step losses of this call (all steps, not just logged)
     signal: int | None = None  # the signal that ended the run early (after a checkpoint at its step)
@@ -120,6 +121,7 @@ class Trainer:
         self.train_seconds = 0.0
         self.last_checkpoint: Path | None = None
         self.last_eval: dict[str, float] = {}
+        self.last_eval_step: int | None = None
 
         resume_path = self._find_resume(resume)
         if self.dist.is_main:
@@ -183,6 +185,7 @@ class Trainer:
                 "objective_state": self.objective.state_dict(),
                 "data_state": self.train_data.state_dict() if hasattr(self.train_data, "state_dict") else None,
                 "last_eval": self.last_eval,
+                "last_eval_step": self.last_eval_step,
             }
             path = ckpt.save_checkpoint(self.store.root, self.step, model_sd, optim_sd, state, self.cfg.keep_last,
                                         extra_files=ckpt.model_folder_files(self._model_config_dict(), self.out_dir))
@@ -222,6 +225,7 @@ class Trainer:
         if state.get("data_state") is not None and hasattr(self.train_data, "load_state_dict"):
             self.train_data.load_state_dict(state["data_state"])
         self.last_eval = state.get("last_eval") or {}
+        self.last_eval_step = state.get("last_eval_step")
         self.last_checkpoint = Path(path)
         if self.dist.is_main:  # warned only now: a resume that a restore above refuses changes no schedule
             if warning:
@@ -356,17 +360,17 @@ class Trainer:
                     final = self._done()
                     do_eval, do_log = self._due(final)
                     if do_eval:
-                        self.last_eval = self.evaluate()
+                        self.last_eval, self.last_eval_step = self.evaluate(), self.step
                         record.update(self.last_eval)
                     tok_s = window_tokens / max(window_time, 1e-9)
                     record.update(tokens_per_s=tok_s, tokens_seen=self.tokens_seen, train_seconds=self.train_seconds,
                                   elapsed_s=time.perf_counter() - t_start)
-                    if do_log:
+                    signal_stop = D.any_rank(stop.requested, self.dist)
+                    if do_log or signal_stop:  # the step a signal stops at is logged, as its checkpoint is kept
                         self.logbook.append(record)
                         window_tokens, window_time = 0, 0.0
                     bar.set_postfix(self._postfix(record), refresh=False)
                     bar.update(1)
-                    signal_stop = D.any_rank(stop.requested, self.dist)
                     if signal_stop:
                         break
                     if cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0 and not final:
@@ -384,7 +388,7 @@ class Trainer:
                 if self.dist.is_main and cfg.plot and not signal_stop:
                     self._plot()
         return TrainResult(step=self.step, loss=last_loss, tokens_seen=self.tokens_seen,
-                           train_seconds=self.train_seconds, eval=dict(self.last_eval),
+                           train_seconds=self.train_seconds, eval=dict(self.last_eval), eval_step=self.last_eval_step,
                            checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None, losses=losses,
                            signal=int(stop.signum or signal.SIGTERM) if signal_stop else None)
 
