@@ -3,6 +3,7 @@ the same DPO reference (the run's initial model, --init included) and, with --pr
 
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -45,6 +46,15 @@ def test_dpo_eval_measures_against_the_runs_reference(tmp_path):
     after = _eval(second, tmp_path / "after.json", "--max-batches", "2", "--batch-size", "4", "--precision", "fp32")
     assert after["loss"] == before["loss"]
     assert main([*dpo, "--out", str(second), "--max-steps", "3", "--resume"]) == 0  # resumes with the pinned one
+    # the first run prunes (or loses) the checkpoint the second was pinned to: the second keeps its own copy of
+    # those weights, so its evaluation and its resume are unchanged
+    assert (second / "init_weights.safetensors").is_file() and not (first / "init_weights.safetensors").exists()
+    scored = ["--max-batches", "2", "--batch-size", "4", "--precision", "fp32"]
+    there = _eval(second, tmp_path / "there.json", *scored)
+    shutil.rmtree(first)
+    assert _eval(second, tmp_path / "gone.json", *scored)["loss"] == there["loss"]
+    assert main([*dpo, "--out", str(second), "--max-steps", "4", "--resume"]) == 0
+    assert _last_val(second)["step"] == 4
 
 
 def test_eval_scores_the_runs_val_data(tmp_path):

@@ -37,7 +37,7 @@ from seqlab.runtime.rundir import claim_run_dir, removed_if_left_empty
 from seqlab.train.config import TrainConfig, names_a_file, read_run_config
 from seqlab.train.demo import run_demo as demo
 from seqlab.train.evaluate import evaluate_checkpoint
-from seqlab.train.run import build_run, pin_init
+from seqlab.train.run import build_run, kept_init_weights, pin_init
 from seqlab.train.rundir import existing_run, nothing_trained
 from seqlab.train.trainer import Trainer
 
@@ -208,11 +208,11 @@ def _load_model_folder(path: Path) -> dict:
     return load_pretrained(path).state_dict()
 
 
-def _check_inputs_exist(cfg: TrainConfig) -> None:
+def _check_inputs_exist(cfg: TrainConfig, resume: bool) -> None:
     for flag, path in (("--data", cfg.data), ("--val-data", cfg.val_data)):
         if path is not None:
             check_readable_file(path, flag)
-    if cfg.init and not Path(cfg.init).exists():
+    if cfg.init and not Path(cfg.init).exists() and not (resume and kept_init_weights(cfg.out_dir)):
         raise ValueError(f"--init {cfg.init}: not found (a run directory, checkpoint or model folder)")
 
 
@@ -222,7 +222,7 @@ def run_train(args: argparse.Namespace) -> int:
     main_rank = int(os.environ.get("RANK", "0")) == 0
     cfg = make_config(args)  # every option checked before --overwrite moves an old run aside
     resolve_device(cfg.device)  # a missing GPU fails now, not after the data is built
-    _check_inputs_exist(cfg)  # and the files it names (their contents are read, and checked, after the move)
+    _check_inputs_exist(cfg, args.resume)  # and the files it names (their contents are read, and checked, after the move)
     # a run that fails before it trained anything leaves no folder behind, so the corrected command runs as given
     with removed_if_left_empty(args.out, nothing_trained if main_rank else None):
         return _train(args, cfg, main_rank)

@@ -24,7 +24,8 @@ from seqlab.runtime.dist import resolve_device
 from seqlab.runtime.errors import CheckpointError
 from seqlab.train.config import TrainConfig
 from seqlab.train.precision import Precision, resolve_precision
-from seqlab.train.run import FolderLoader, dataset_options, initial_model, row_length, validation_dataset
+from seqlab.train.run import (FolderLoader, dataset_options, initial_model, kept_init_weights, row_length,
+                              validation_dataset)
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -86,17 +87,18 @@ def _eval_data(cfg: TrainConfig, tok: Any, data: str | None, split: str) -> tupl
 
 
 def _setup_objective(objective: Any, model: torch.nn.Module, cfg: TrainConfig, load_folder: FolderLoader | None,
-                     device: torch.device) -> None:
+                     device: torch.device, cdir: Path) -> None:
     """Call ``objective.setup`` as the Trainer did: with the run's initial model when the objective keeps it (DPO's
     reference; with the trained model instead every DPO loss would read ln 2), else with the model itself."""
     if not objective.uses_initial_model:
         objective.setup(model)
         return
-    if cfg.init and not Path(cfg.init).exists():
+    run_dir = cdir.parent.parent if cdir.parent.name == "checkpoints" else None
+    if cfg.init and not Path(cfg.init).exists() and kept_init_weights(run_dir) is None:
         raise ValueError(f"--init {cfg.init}: no such file or directory; this {cfg.objective} run is scored against "
                          "its initial model, which is rebuilt from those weights")
     with torch.random.fork_rng(devices=[]):  # rebuilding the seeded init must not move the caller's RNG
-        initial = initial_model(cfg, model.config, load_folder)
+        initial = initial_model(cfg, model.config, load_folder, run_dir)
     objective.setup(initial.to(device).eval())
 
 
@@ -118,7 +120,7 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, split: str = 
     dev = resolve_device(device)
     model, tok, cfg, cdir = load_trained(path, dev)
     objective = build_objective(cfg.objective, tok, **cfg.objective_kwargs)
-    _setup_objective(objective, model, cfg, load_folder, dev)
+    _setup_objective(objective, model, cfg, load_folder, dev, cdir)
     ds, source, split_name = _eval_data(cfg, tok, data, split)
     bs = batch_size or cfg.eval_batch_size or cfg.batch_size
     starts = range(0, len(ds), bs)

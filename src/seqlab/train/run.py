@@ -16,6 +16,7 @@ import seqlab.train.checkpoint as ckpt
 from seqlab.config import ModelConfig
 from seqlab.data import build_dataset, build_tokenizer, load_tokenizer
 from seqlab.data.readers import read_documents
+from seqlab.io.tensors import load_state_into, load_tensors
 from seqlab.model import build_model
 from seqlab.objectives import build_objective, objective_class
 from seqlab.train.config import TrainConfig, read_run_config, same_setting
@@ -118,12 +119,29 @@ def load_initial_weights(model: torch.nn.Module, path: str | os.PathLike, load_f
                          f"unexpected={unexpected[:5]}); {hint}")
 
 
-def initial_model(cfg: TrainConfig, mc: ModelConfig, load_folder: FolderLoader | None = None) -> torch.nn.Module:
-    """The weights training starts from: the seeded initialisation, or ``--init``'s weights. One place, because
-    DPO's frozen reference is this model and ``seqlab eval`` must rebuild the very same one."""
+# A run whose objective keeps its initial model (DPO's reference) copies its --init weights here when it starts, so
+# that its resume and `seqlab eval` do not depend on the run it came from: that one may train on and prune the
+# checkpoint --init named (--keep-last), or move.
+INIT_WEIGHTS = "init_weights.safetensors"
+
+
+def kept_init_weights(run_dir: str | os.PathLike | None) -> Path | None:
+    """``run_dir``'s copy of its ``--init`` weights, where it has one."""
+    path = Path(run_dir) / INIT_WEIGHTS if run_dir is not None else None
+    return path if path is not None and path.is_file() else None
+
+
+def initial_model(cfg: TrainConfig, mc: ModelConfig, load_folder: FolderLoader | None = None,
+                  run_dir: str | os.PathLike | None = None) -> torch.nn.Module:
+    """The weights training starts from: the seeded initialisation, or ``--init``'s weights (``run_dir``'s copy of
+    them where it has one). One place, because DPO's frozen reference is this model and ``seqlab eval`` must
+    rebuild the very same one."""
     torch.manual_seed(cfg.seed)  # model init independent of how much randomness data building used
     model = build_model(mc)
-    if cfg.init:
+    kept = kept_init_weights(run_dir) if cfg.init else None
+    if kept is not None:
+        load_state_into(model, load_tensors(kept), str(kept))
+    elif cfg.init:
         load_initial_weights(model, cfg.init, load_folder)
     return model
 
@@ -143,4 +161,5 @@ def build_run(cfg: TrainConfig, resume: bool = False, load_folder: FolderLoader 
     objective = build_objective(cfg.objective, tokenizer, **cfg.objective_kwargs)
     train, val = build_datasets(cfg, tokenizer)
     mc: ModelConfig = model_config(cfg.preset, objective.arch, tokenizer, cfg.seq_len, **cfg.model)
-    return Run(cfg, tokenizer, objective, initial_model(cfg, mc, load_folder), train, val)
+    return Run(cfg, tokenizer, objective, initial_model(cfg, mc, load_folder, cfg.out_dir if resume else None), train,
+               val)

@@ -32,6 +32,7 @@ from torch import nn
 
 import seqlab.runtime.dist as D
 import seqlab.train.checkpoint as ckpt
+from seqlab.io.tensors import save_tensors, unique_state_dict
 from seqlab.runtime.cpu import compile_keyed_by_isa
 from seqlab.runtime.files import atomic_write_text
 from seqlab.runtime.logbook import Logbook
@@ -47,6 +48,7 @@ from seqlab.train.optim import build_optimizer
 from seqlab.train.order import StepSampler
 from seqlab.train.precision import resolve_precision
 from seqlab.train.recompute import enable_activation_checkpointing
+from seqlab.train.run import INIT_WEIGHTS, kept_init_weights
 from seqlab.train.rundir import existing_run
 from seqlab.train.schedule import LRSchedule
 
@@ -105,6 +107,9 @@ class Trainer:
 
         self.raw_model = model.to(self.device)
         objective.setup(self.raw_model)  # e.g. DPO snapshots its frozen reference; before any resume load
+        keep_init = (objective.uses_initial_model and cfg.init and self.dist.is_main
+                     and kept_init_weights(self.out_dir) is None)
+        init_weights = {k: v.detach().cpu().clone() for k, v in unique_state_dict(model).items()} if keep_init else None
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.raw_model)
         self.model = wrap_model(self.raw_model, cfg.parallel if self.dist.active else "none", self.dist)
@@ -129,6 +134,8 @@ class Trainer:
                 claim_run_dir(self.out_dir, existing_run(self.out_dir))
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self.store.clean_stale()
+            if init_weights is not None:  # the reference's weights, kept with the run (train/run.py: INIT_WEIGHTS)
+                save_tensors(init_weights, self.out_dir / INIT_WEIGHTS)
         D.barrier(self.dist)
         if resume_path is not None:
             self.load(resume_path)
