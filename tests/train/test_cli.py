@@ -143,6 +143,29 @@ def test_data_paths_are_recorded_absolute(tmp_path, text_file, monkeypatch):
                  "--max-steps", "3", "--no-progress"]) == 0
 
 
+def test_a_moved_or_copied_data_file_resumes(tmp_path, text_file, capsys):
+    """The run's --data moved (its recorded path gone) or copied byte for byte: a resume naming it where it is now
+    goes on; a plain resume says how; a file with other bytes, the recorded one still there, is refused."""
+    run = tmp_path / "run"
+    base = ["train", "--objective", "clm", "--tokenizer", "byte", "--out", str(run), *TINY]
+    assert main([*base, "--data", str(text_file), "--max-steps", "2"]) == 0
+    copy = tmp_path / "copy.txt"
+    copy.write_bytes(text_file.read_bytes())
+    assert main(["train", "--out", str(run), "--resume", "--data", str(copy), "--max-steps", "3", "--no-progress"]) == 0
+    moved = tmp_path / "moved" / "plays.txt"
+    moved.parent.mkdir()
+    copy.rename(moved)
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "--max-steps", "4", "--no-progress"]) == 2
+    assert "resume with --data naming it where it is now" in capsys.readouterr().err
+    assert main(["train", "--out", str(run), "--resume", "--data", str(moved), "--max-steps", "4", "--no-progress"]) == 0
+    assert json.loads((run / "config.json").read_text())["train"]["data"] == str(moved)
+    text_file.write_text(text_file.read_text() + "more\n")  # a live file with other bytes: another data set
+    assert main(["train", "--out", str(run), "--resume", "--data", str(text_file), "--max-steps", "5",
+                 "--no-progress"]) == 2
+    assert "the run configuration changed (data:" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_demo_writes_summary(tmp_path):
     out = tmp_path / "demo"

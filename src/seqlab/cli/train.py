@@ -210,6 +210,9 @@ def _load_model_folder(path: Path) -> dict:
 
 def _check_inputs_exist(cfg: TrainConfig, resume: bool) -> None:
     for flag, path in (("--data", cfg.data), ("--val-data", cfg.val_data)):
+        if path is not None and resume and not Path(path).exists():  # moved since the run recorded it
+            raise ValueError(f"{flag} {path}: file not found; if the run's file has moved, resume with {flag} "
+                             "naming it where it is now")
         if path is not None:
             check_readable_file(path, flag)
     if cfg.init and not Path(cfg.init).exists() and not (resume and kept_init_weights(cfg.out_dir)):

@@ -8,6 +8,7 @@ holds ``to_dict()`` so ``--resume`` can refuse a config that changed in a way th
 from __future__ import annotations
 
 import dataclasses
+import filecmp
 import math
 import os
 from dataclasses import dataclass, field
@@ -189,10 +190,13 @@ def names_a_file(key: str, value: Any) -> bool:
 
 
 def same_setting(key: str, old: Any, new: Any) -> bool:
-    """Equal, or, for a file a run reads, the same file: runs recorded before paths were absolute hold them as
-    typed, relative to the folder they ran in, which is where their resume reads them."""
+    """Equal, or, for a file a run reads, the same file: the same path (runs recorded before paths were absolute
+    hold them as typed, relative to the folder they ran in, which is where their resume reads them), a link to it or
+    a copy of its bytes, or the file moved (the recorded path is gone, and the new one is named on purpose)."""
     if names_a_file(key, new) and isinstance(old, str):
-        return os.path.abspath(old) == os.path.abspath(new)
+        if os.path.abspath(old) == os.path.abspath(new) or not os.path.exists(old):
+            return True
+        return os.path.isfile(old) and (os.path.samefile(old, new) or filecmp.cmp(old, new, shallow=False))
     return old == new
 
 
