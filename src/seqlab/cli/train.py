@@ -264,8 +264,9 @@ def _train(args: argparse.Namespace, cfg: TrainConfig, main_rank: bool) -> int:
               f"({result.tokens_seen:,} tokens in {result.train_seconds:.1f} s) -> {result.checkpoint}")
     if result.signal is not None:
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        how = (f"the same torchrun command with --resume ({world} processes: a resume keeps the run's layout)"
-               if world > 1 else f"seqlab train --out {args.out} --resume")
+        how = (f"the same torchrun command with --resume (or other process counts, with --grad-accum keeping the "
+               f"global batch of {cfg.batch_size * cfg.grad_accum * world})" if world > 1
+               else f"seqlab train --out {args.out} --resume")
         if trainer.dist.is_main:
             print(f"[seqlab] stopped by {signal.Signals(result.signal).name} at step {result.step}; continue with "
                   f"{how}", file=sys.stderr)

@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors.torch import load_model
 
 import seqlab.train.checkpoint as ckpt
 from seqlab.config import ModelConfig
 from seqlab.data import build_dataset, build_tokenizer, load_tokenizer
 from seqlab.data.readers import read_documents
-from seqlab.io.tensors import load_state_into, load_tensors
 from seqlab.model import build_model
 from seqlab.objectives import build_objective, objective_class
 from seqlab.train.config import TrainConfig, read_run_config, same_setting
@@ -140,7 +140,7 @@ def initial_model(cfg: TrainConfig, mc: ModelConfig, load_folder: FolderLoader |
     model = build_model(mc)
     kept = kept_init_weights(run_dir) if cfg.init else None
     if kept is not None:
-        load_state_into(model, load_tensors(kept), str(kept))
+        load_model(model, str(kept))  # safetensors: shared (tied) weights stored once, each name restored
     elif cfg.init:
         load_initial_weights(model, cfg.init, load_folder)
     return model

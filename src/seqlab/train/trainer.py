@@ -17,6 +17,7 @@ uninterrupted run's losses exactly: everything it needs is in the checkpoint.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -28,13 +29,13 @@ from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
 import torch
+from safetensors.torch import save_model
 from torch import nn
 
 import seqlab.runtime.dist as D
 import seqlab.train.checkpoint as ckpt
-from seqlab.io.tensors import save_tensors, unique_state_dict
 from seqlab.runtime.cpu import compile_keyed_by_isa
-from seqlab.runtime.files import atomic_write_text
+from seqlab.runtime.files import atomic_path, atomic_write_text
 from seqlab.runtime.logbook import Logbook
 from seqlab.runtime.progress import progress
 from seqlab.runtime.rng import capture_rng, restore_rng
@@ -109,7 +110,7 @@ class Trainer:
         objective.setup(self.raw_model)  # e.g. DPO snapshots its frozen reference; before any resume load
         keep_init = (objective.uses_initial_model and cfg.init and self.dist.is_main
                      and kept_init_weights(self.out_dir) is None)
-        init_weights = {k: v.detach().cpu().clone() for k, v in unique_state_dict(model).items()} if keep_init else None
+        initial = copy.deepcopy(model) if keep_init else None  # written once the run folder exists, then dropped
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.raw_model)
         self.model = wrap_model(self.raw_model, cfg.parallel if self.dist.active else "none", self.dist)
@@ -134,8 +135,10 @@ class Trainer:
                 claim_run_dir(self.out_dir, existing_run(self.out_dir))
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self.store.clean_stale()
-            if init_weights is not None:  # the reference's weights, kept with the run (train/run.py: INIT_WEIGHTS)
-                save_tensors(init_weights, self.out_dir / INIT_WEIGHTS)
+            if initial is not None:  # the reference's weights, kept with the run (train/run.py: INIT_WEIGHTS)
+                with atomic_path(self.out_dir / INIT_WEIGHTS) as tmp:
+                    save_model(initial, str(tmp))
+                del initial
         D.barrier(self.dist)
         if resume_path is not None:
             self.load(resume_path)
