@@ -178,3 +178,27 @@ def test_stop_during_the_warm_start_fit_leaves_nothing_to_resume(tmp_path, syste
     res = run_vmc(ham, VMCConfig(steps=3, anneal=0.0), out=tmp_path / "run", warm_start=target,
                   warm_start_cfg=WarmStartConfig(steps=20))
     assert res.final is not None and res.warm_start["steps"] == 20 and res.warm_start["time_s"] > 0
+
+
+def test_selected_sum_lbfgs_resume_with_sign_fit_is_bit_identical(tmp_path, system):
+    """The selected sum's recipe (L-BFGS steps, the sign fit at step 4: the space is empty at step 0), stopped after step 2 and resumed,
+    takes the same iterations as an unbroken run: the L-BFGS history is part of the checkpoint (an empty one after
+    the resume took other line searches, a different last evaluation, so another pruned space and final energy)."""
+    ham = system("lih").hamiltonian
+    cfg = VMCConfig(steps=6, samples=2000, estimator="selected-sum", anneal=0.0, lbfgs_steps=6, lbfgs_iters=6,
+                    selected_sign_fit=30, selected_sign_fit_every=4, checkpoint_every=3)
+    ref = run_vmc(ham, cfg, out=tmp_path / "ref")
+
+    def stop_after_step_2(st):
+        stop.requested = st.step == 2
+
+    stop = GracefulStop()
+    part = run_vmc(ham, cfg, out=tmp_path / "run", callback=stop_after_step_2, stop=stop)
+    assert part.stopped_at == 3
+    res = run_vmc(ham, cfg, out=tmp_path / "run", resume=True)
+    fields = (*DETERMINISTIC, "n_selected", "n_evaluations", "n_joined", "t_sign_fit")
+    rows = [[r[k] if k != "t_sign_fit" else r[k] > 0 for k in fields] for r in _rows(tmp_path / "run")]
+    assert rows == [[r[k] if k != "t_sign_fit" else r[k] > 0 for k in fields] for r in ref.records]
+    assert [r[-1] for r in rows] == [False, False, False, False, True, False]  # the fit ran after the resume
+    assert all(torch.equal(a, b) for a, b in zip(ref.wavefunction.parameters(), res.wavefunction.parameters()))
+    assert (ref.final["energy"], ref.final["selected_size"]) == (res.final["energy"], res.final["selected_size"])

@@ -92,8 +92,9 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     selected = None if exact else build_selected(ham, cfg)  # before the checkpoint, which may restore it
     if cfg.lbfgs_steps and not exact and selected is None:  # before the warm-start fit, which may take minutes
         raise ValueError("VMCConfig.lbfgs_steps: L-BFGS needs a summed energy (the exact or selected sum), not samples")
+    lbfgs = build_lbfgs(wf, cfg) if cfg.lbfgs_steps else None  # before the checkpoint, which restores its history
     if checkpoint is not None:
-        start_step, t0, restored = load_checkpoint(store, checkpoint, wf, opt, guard, ham, selected)
+        start_step, t0, restored = load_checkpoint(store, checkpoint, wf, opt, guard, ham, selected, lbfgs)
         if start_step > cfg.steps:  # fewer steps than it ran: say so rather than rewrite its result with fewer
             raise ValueError(f"VMCConfig.steps={cfg.steps}: the run already holds {start_step} steps; resume with "
                              f"more --steps to continue it")
@@ -117,7 +118,6 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
         (selected.pin if cfg.selected_pin_warm_start else selected.add)(warm_start.keys)
     estimator = "exact-sum" if exact else "selected-sum" if selected is not None else "sampled"
     guard.active = estimator != "sampled" and cfg.anneal == 0  # only an exact, unannealed energy can be judged
-    lbfgs = build_lbfgs(wf, cfg) if cfg.lbfgs_steps else None
     log = Logbook(out / LOG if out is not None else Path(LOG), resume_step=start_step - 1 if start_step else None,
                   tensorboard_dir=tensorboard, enabled=out is not None and dist.is_main)
     records = log.rows() if log.enabled else []
@@ -153,7 +153,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
             if store is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping):
                 if dist.is_main:
                     checkpoint = save_checkpoint(store, wf, opt, done, t0, vmc_state, guard, ham,
-                                                 selected)
+                                                 selected, lbfgs)
             if stopping:
                 stopped_at = done
                 break

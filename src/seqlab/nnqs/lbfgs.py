@@ -13,14 +13,17 @@ A step here samples into the selected space (as ``vmc_step`` does), refits the s
 takes ``lbfgs_iters`` L-BFGS iterations on the space as it stands, and prunes and expands the space from the last
 evaluation. The history carries over between steps (the space gains a few improbable configurations per step, which
 barely moves the objective) and is dropped when anything else moved the parameters or the objective: a sign fit, an
-expansion, a step-guard rollback, a resume. It is not checkpointed.
+expansion, a step-guard rollback. It is checkpointed (``lbfgs_state``): a resume that started from an empty history
+took other line searches than the unbroken run, so another last evaluation, another pruned space and final energy.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.nnqs.exact_sum import ExactSum, exact_sum, subspace_sum
@@ -41,6 +44,34 @@ def build_lbfgs(wf: Wavefunction, cfg: VMCConfig) -> torch.optim.LBFGS:
 def reset_history(opt: torch.optim.LBFGS) -> None:
     """Forget the curvature pairs: the parameters or the objective changed outside the optimiser."""
     opt.state.clear()
+
+
+def lbfgs_state(opt: torch.optim.LBFGS) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """The optimiser's history as (tensors, JSON-able rest) for a checkpoint: a tensor slot under its name, a list
+    slot (the curvature pairs) as ``<slot>.<i>`` with its length, numbers as they are (JSON keeps a float exactly)."""
+    tensors: dict[str, Tensor] = {}
+    meta: dict[str, Any] = {"numbers": {}, "lists": {}}
+    for slot, value in opt.state[opt.param_groups[0]["params"][0]].items():
+        if isinstance(value, Tensor):
+            tensors[slot] = value.detach().clone()
+        elif isinstance(value, list):
+            meta["lists"][slot] = [isinstance(v, Tensor) for v in value]  # the scratch ``al`` starts as Nones
+            tensors.update({f"{slot}.{i}": v.detach().clone() for i, v in enumerate(value) if isinstance(v, Tensor)})
+        else:
+            meta["numbers"][slot] = value
+    return tensors, meta
+
+
+def load_lbfgs_state(opt: torch.optim.LBFGS, tensors: dict[str, Tensor], meta: dict[str, Any]) -> None:
+    """Restore what ``lbfgs_state`` returned, so the next iteration continues the unbroken run's."""
+    lists = meta.get("lists", {})
+    state: dict[str, Any] = dict(meta.get("numbers", {}))
+    state.update({name: t.clone() for name, t in tensors.items() if "." not in name})
+    for slot, present in lists.items():
+        state[slot] = [tensors[f"{slot}.{i}"].clone() if there else None for i, there in enumerate(present)]
+    opt.state.clear()
+    if state:
+        opt.state[opt.param_groups[0]["params"][0]] = state
 
 
 def lbfgs_step(wf: Wavefunction, opt: torch.optim.LBFGS, cfg: VMCConfig, step: int, dist: DistInfo,

@@ -2,7 +2,7 @@
 
 One checkpoint is ``OUT/checkpoints/step_XXXXXXXX/`` with model.safetensors, optimizer.safetensors (AdamW moments
 and step count as tensors, never a pickle) and state.json (step, annealing T0, RNG state, configs, sha256 of each
-file), and for the selected sum its space S (keys and H elements). The store writes it under a temporary name and
+file), for the selected sum its space S (keys and H elements), and for L-BFGS steps the optimiser's history. The store writes it under a temporary name and
 renames it once, so a kill at any moment leaves the previous checkpoint or the new one, never a model one step
 ahead of its optimizer. Everything a step depends on is in it, so a resumed run continues bit for bit.
 """
@@ -18,6 +18,7 @@ import torch
 
 from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.nnqs.hamiltonian import Hamiltonian
+from seqlab.nnqs.lbfgs import lbfgs_state, load_lbfgs_state
 from seqlab.nnqs.selected_space import SelectedSpace
 from seqlab.nnqs.step_guard import GuardedState, StepGuard
 from seqlab.runtime.errors import CheckpointError
@@ -65,9 +66,9 @@ def check_orbitals(where: Path, saved: dict[str, torch.Tensor] | None, ham: Hami
 
 def save_checkpoint(store: CheckpointStore, wf: Wavefunction, opt: torch.optim.Optimizer, step: int, t0: float,
                     vmc: dict[str, Any], guard: StepGuard | None = None, ham: Hamiltonian | None = None,
-                    selected: SelectedSpace | None = None) -> Path:
+                    selected: SelectedSpace | None = None, lbfgs: torch.optim.LBFGS | None = None) -> Path:
     """Checkpoint after ``step`` completed steps (call on the main rank only), with the step guard's best state, the
-    orbital fingerprint of ``ham`` and the selected space."""
+    orbital fingerprint of ``ham``, the selected space and the L-BFGS history."""
     opt_tensors, opt_meta = optimizer_state_to_tensors(opt)
     state = {**wf.config_dict(), "t0": t0, "vmc": vmc, "optimizer": opt_meta, "rng": capture_rng()}
     tensors = {"model": dict(wf.state_dict()), "optimizer": opt_tensors}
@@ -75,6 +76,8 @@ def save_checkpoint(store: CheckpointStore, wf: Wavefunction, opt: torch.optim.O
         tensors["orbitals"] = orbital_fingerprint(ham)
     if selected is not None:
         tensors["selected"] = selected.state()
+    if lbfgs is not None:
+        tensors["lbfgs"], state["lbfgs"] = lbfgs_state(lbfgs)
     if guard is not None:
         state["guard"] = guard.state()
         if guard.best is not None:
@@ -85,8 +88,10 @@ def save_checkpoint(store: CheckpointStore, wf: Wavefunction, opt: torch.optim.O
 
 def load_checkpoint(store: CheckpointStore, path: Path, wf: Wavefunction, opt: torch.optim.Optimizer,
                     guard: StepGuard | None = None, ham: Hamiltonian | None = None,
-                    selected: SelectedSpace | None = None) -> tuple[int, float, bool]:
-    """Restore model, optimizer, RNG (and the guard's best state and the selected space) from ``path``
+                    selected: SelectedSpace | None = None,
+                    lbfgs: torch.optim.LBFGS | None = None) -> tuple[int, float, bool]:
+    """Restore model, optimizer, RNG (and the guard's best state, the selected space and the L-BFGS history; those of
+    earlier versions have none, and start it empty) from ``path``
     (sha256-verified), after checking it was trained on ``ham``'s orbitals; returns (completed steps, T0, whether
     the checkpoint held a selected space: those of earlier versions did not)."""
     tensors, state = store.load(path)
@@ -111,6 +116,8 @@ def load_checkpoint(store: CheckpointStore, path: Path, wf: Wavefunction, opt: t
     restored = selected is not None and "selected" in tensors
     if restored:
         selected.load_state(tensors["selected"])
+    if lbfgs is not None and "lbfgs" in state:
+        load_lbfgs_state(lbfgs, tensors.get("lbfgs", {}), state["lbfgs"])
     return int(state["step"]), float(state["t0"]), restored
 
 
