@@ -155,3 +155,13 @@ def test_ccsd_is_exact_for_two_electrons():
     (PySCF's default CCSD tolerance left H2's CCSD 1.6e-7 Ha below FCI, printed as "-0.000")."""
     refs = prepare(get_molecule("h2")).references
     assert refs.e_ccsd >= refs.e_fci - 1e-9 and abs(refs.e_ccsd - refs.e_fci) < 1e-8
+
+
+def test_a_ccsd_t_failure_is_named_as_such_and_keeps_the_ccsd_energy():
+    """H2- (ROHF, one beta electron): PySCF's CCSD converges but its (T) fails; the note names CCSD(T), not CCSD,
+    and e_ccsd stays (in STO-3G the two alpha electrons fill both orbitals, so HF, CCSD and FCI agree to 1e-12)."""
+    refs = prepare(get_molecule("h2", charge=-1, spin=1), cc=True).references
+    assert refs.e_ccsd_t is None and refs.e_ccsd is not None
+    assert abs(refs.e_ccsd - refs.e_fci) < 1e-9 and abs(refs.e_ccsd - refs.e_hf) < 1e-9
+    failed = [n for n in refs.notes if "failed" in n]
+    assert len(failed) == 1 and failed[0].startswith("CCSD(T) failed: "), refs.notes
