@@ -129,6 +129,7 @@ NNQS_CASES: list[Case] = [
     Case("nnqs-xyz-short", ["nnqs", "--xyz", "{tmp}/m.xyz"], "m.xyz:4: file ends after 1 atoms", files={"m.xyz": "2\nc\nH 0 0 0\n"}),
     Case("nnqs-xyz-missing", ["nnqs", "--xyz", "{tmp}/none.xyz"], "none.xyz: cannot read it"),
     Case("nnqs-unit-with-builtin", ["nnqs", "--molecule", "h2", "--unit", "bohr", "--out", "{tmp}/o"], "built-in molecules are in Angstrom"),
+    Case("nnqs-exact-sum-past-the-fast-path", ["nnqs", "--molecule", "h2o", "--basis", "6-31g", "--estimator", "exact-sum", "--out", "{tmp}/o"], "this one has 1656369); use 'selected-sum', 'sampled' or 'auto'"),
     Case("nnqs-unknown-molecule", ["nnqs", "--molecule", "benzene", "--out", "{tmp}/o"], "known molecules: h2, lih"),
 ]
 

@@ -286,6 +286,25 @@ def test_an_unknown_basis_is_one_clear_error_without_pyscfs_install_hint(tmp_pat
     assert not [str(w.message) for w in said if "basis" in str(w.message)]
 
 
+def test_exact_sum_past_the_sector_fast_path_is_refused_before_any_scf(tmp_path, monkeypatch, capsys):
+    """H2O/6-31G has 1 656 369 determinants: --estimator exact-sum is refused from the molecule and basis alone, before
+    the SCF and the references (which took 47 s before it failed), naming the estimators that do fit; the same
+    sector with the default auto gets as far as the SCF."""
+    from seqlab.cli import main
+
+    def no_scf(*args, **kwargs):
+        raise RuntimeError("the SCF ran")
+
+    monkeypatch.setattr(cli_nnqs, "prepare", no_scf)
+    argv = ["nnqs", "--molecule", "h2o", "--basis", "6-31g", "--no-fci", "--no-cc", "--steps", "2", "--quiet"]
+    assert main([*argv, "--estimator", "exact-sum", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "--estimator: 'exact-sum' needs the sector fast path" in err and "this one has 1656369" in err
+    assert "use 'selected-sum', 'sampled' or 'auto'" in err and not (tmp_path / "r").exists()
+    with pytest.raises(RuntimeError, match="the SCF ran"):
+        main([*argv, "--out", str(tmp_path / "auto"), "--debug"])
+
+
 def _torchrun(nproc: int, out, steps: int, extra: tuple[str, ...] = ()) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            "-m", "seqlab.cli.nnqs", "--molecule", "h2", "--steps", str(steps), "--out", str(out), "--quiet",

@@ -18,10 +18,10 @@ from seqlab.nnqs.molecules import UNITS, get_molecule
 from seqlab.nnqs.recipe import (EXACT_SUM_SAMPLES, RANDOM_START, SAMPLED_SAMPLES, SELECTED_SAMPLES, SELECTED_SUM,
                                  SELECTED_SUM_FIT_CONFIGS, SELECTED_SUM_STEPS, WARM_START, Recipe, default_samples,
                                  default_steps, recipe_for)
-from seqlab.nnqs.references import prepare
+from seqlab.nnqs.references import build_pyscf, prepare
 from seqlab.nnqs.sampler import SamplerConfig
 from seqlab.nnqs.space import n_configurations
-from seqlab.nnqs.vmc import HARTREE_TO_MHA, VMCConfig, takes_selected_sum
+from seqlab.nnqs.vmc import HARTREE_TO_MHA, VMCConfig, check_exact_sum_fits, takes_selected_sum
 from seqlab.nnqs.vmc_config import ESTIMATORS
 from seqlab.nnqs.vmc_checkpoint import check_new_run, checkpointed_steps, existing_run
 from seqlab.nnqs.warm_start import (MAX_FIT_CONFIGS, METHODS as WARM_START_METHODS, PHASE_WEIGHTS, WarmStartConfig,
@@ -293,6 +293,9 @@ def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, a
 def run(args: argparse.Namespace) -> int:
     samples = check_flags(args)
     mol = get_molecule(args.molecule, args.atom, args.basis, args.charge, args.spin, xyz=args.xyz, unit=args.unit)
+    pmol = build_pyscf(mol)  # the basis, no SCF yet: the orbital count, so the sector's size, is known here
+    check_exact_sum_fits(args.estimator, n_configurations(pmol.nao, mol.n_alpha, mol.n_beta), VMCConfig.sector_max,
+                         "--estimator")
     out = Path(args.out or os.path.join("runs", f"nnqs-{mol.name.lower()}"))
     if args.resume and args.overwrite:
         raise ValueError("--resume and --overwrite contradict each other: continue the run in --out, or replace it")
@@ -313,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"[seqlab] --overwrite: the previous run in {out} was moved to {moved}", file=sys.stderr)
         barrier(dist)  # no rank looks at --out before an old run has left it
         t0, cpu0 = time.perf_counter(), time.process_time()
-        system = prepare(mol, fci=not args.no_fci, cc=not args.no_cc)
+        system = prepare(mol, fci=not args.no_fci, cc=not args.no_cc, pmol=pmol)
         t_ref = time.perf_counter() - t0
         refs, ham = system.references, system.hamiltonian
         n_conf = n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)

@@ -150,9 +150,10 @@ class System:
         return self.hamiltonian.n_orb
 
 
-def prepare(mol: Molecule, fci: bool = True, cc: bool = True, n_roots: int = 4) -> System:
-    """SCF -> MO integrals -> Hamiltonian, plus reference energies on the same orbitals."""
-    mf = run_scf(build_pyscf(mol))
+def prepare(mol: Molecule, fci: bool = True, cc: bool = True, n_roots: int = 4, pmol=None) -> System:
+    """SCF -> MO integrals -> Hamiltonian, plus reference energies on the same orbitals (``pmol``: the PySCF molecule
+    when the caller already built it with ``build_pyscf``)."""
+    mf = run_scf(pmol if pmol is not None else build_pyscf(mol))
     h1, eri, e_nuc = mo_integrals(mf)
     ham = Hamiltonian(h1, eri, e_nuc, mol.n_alpha, mol.n_beta)
     refs = reference_energies(mf, h1, eri, e_nuc, (mol.n_alpha, mol.n_beta), fci=fci, cc=cc, n_roots=n_roots)

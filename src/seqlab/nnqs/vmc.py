@@ -116,11 +116,22 @@ def build_sector(ham: Hamiltonian, cfg: VMCConfig, dist: DistInfo) -> SectorHami
     return SectorHamiltonian(ham, progress=dist.is_main)
 
 
+EXACT_SUM_HINT = "use 'selected-sum', 'sampled' or 'auto'"
+
+
+def check_exact_sum_fits(estimator: str, n_configurations: int, sector_max: int, name: str) -> None:
+    """Refuse ``estimator`` 'exact-sum' on a sector past the fast path from the counts alone (``name``: the flag or
+    field to blame): the CLI asks before the SCF and the references, which take most of a minute on H2O/6-31G."""
+    if estimator == "exact-sum" and n_configurations > sector_max:
+        raise ValueError(f"{name}: 'exact-sum' needs the sector fast path (a sector of at most sector_max = "
+                         f"{sector_max} configurations; this one has {n_configurations}); {EXACT_SUM_HINT}")
+
+
 def uses_exact_sum(cfg: VMCConfig, sector: SectorHamiltonian | None) -> bool:
     """Whether steps take the exact-sum estimator (``cfg.estimator`` and whether the sector fast path is on)."""
     if cfg.estimator == "exact-sum" and sector is None:
         raise ValueError(f"VMCConfig.estimator: 'exact-sum' needs the sector fast path (a sector of at most "
-                         f"sector_max = {cfg.sector_max} configurations); use 'sampled' or 'auto'")
+                         f"sector_max = {cfg.sector_max} configurations); {EXACT_SUM_HINT}")
     return sector is not None and cfg.estimator in ("auto", "exact-sum")
 
 
