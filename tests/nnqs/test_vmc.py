@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from dataclasses import asdict
 
@@ -127,6 +128,40 @@ def test_cli_refuses_an_existing_run_unless_resumed_or_moved_aside(tmp_path, cap
     assert (old / "energies.jsonl").read_text() == first and (old / "checkpoints" / "step_00000002").is_dir()
     assert len((out / "energies.jsonl").read_text().splitlines()) == 2
     assert "moved to" in capsys.readouterr().err
+
+
+def test_cli_resume_refuses_another_recipe_and_reports_the_whole_run(tmp_path):
+    """--resume with options that change the run is refused, every changed field named with old -> new and nothing
+    written; more --steps, another --checkpoint-every and the output options are allowed. The resumed result.json
+    keeps the warm start's record and its time fields cover both invocations (each up to its last checkpoint)."""
+    out = tmp_path / "run"
+    argv = ["--molecule", "h2", "--out", str(out), "--quiet", "--no-cc", "--warm-start-steps", "20"]
+    assert _cli([*argv, "--steps", "2"]) == 0
+    first = json.loads((out / "result.json").read_text())
+    files = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match="cannot resume, the run's settings changed") as refused:
+        _cli([*argv, "--resume", "--steps", "90", "--lr", "0.05", "--estimator", "sampled", "--samples", "1000",
+              "--seed", "7", "--warm-start", "none"])
+    said = str(refused.value)
+    for change in ("lr: 0.002 -> 0.05", "estimator: 'auto' -> 'sampled'", "samples: 10000000000 -> 1000",
+                   "seed: 0 -> 7", "warm_start.method: 'ccsd+pt' -> 'none'", "anneal: 0.0 -> 0.07"):
+        assert change in said, said
+    assert "steps:" not in said.replace("warm_start.steps", "")  # more steps are allowed
+    with pytest.raises(ValueError, match=r"warm_start.steps: 20 -> 30\)"):
+        _cli([*argv, "--resume", "--steps", "3", "--warm-start-steps", "30"])
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
+    elapsed = json.loads((out / "checkpoints" / "step_00000002" / "state.json").read_text())["elapsed"]
+    clock, cpu = time.perf_counter(), time.process_time()
+    assert _cli([*argv, "--resume", "--steps", "3", "--checkpoint-every", "7", "--tensorboard", str(tmp_path / "tb")]) == 0
+    clock, cpu = time.perf_counter() - clock, time.process_time() - cpu
+    r = json.loads((out / "result.json").read_text())
+    assert r["warm_start"] == first["warm_start"] and r["warm_start"]["method"] == "ccsd+pt"
+    assert (r["steps"], r["lr"], r["estimator"], r["seed"], r["checkpoint_every"]) == (3, 0.002, "exact-sum", 0, 7)
+    assert clock < r["wall_time_s"] <= elapsed["wall_s"] + clock and elapsed["wall_s"] > 0
+    assert cpu < r["cpu_time_s"] <= elapsed["cpu_s"] + cpu and elapsed["cpu_s"] > 0
+    assert elapsed["vmc_s"] < r["vmc_time_s"] <= elapsed["vmc_s"] + clock
+    rows = steps_of(out)
+    assert [row["step"] for row in rows] == [0, 1, 2] and rows[2]["wall_time_s"] > rows[1]["wall_time_s"]
 
 
 def test_ansatz_flags_shape_the_wavefunction_and_are_recorded(tmp_path):

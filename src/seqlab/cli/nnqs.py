@@ -285,7 +285,7 @@ def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, a
         "selected_sign_fit": args.selected_sign_fit, "lbfgs_steps": args.lbfgs_steps, "lbfgs_iters": args.lbfgs_iters,
         "checkpoint_every": args.checkpoint_every, "warm_start": res.warm_start, "kv_cache": not args.no_cache,
         "wall_time_s": wall_s, "cpu_time_s": cpu_s,
-        "vmc_time_s": res.wall_time_s,
+        "vmc_time_s": res.elapsed_before["vmc_s"] + res.wall_time_s,
         "reference_time_s": t_ref, "notes": refs.notes,
     }
 
@@ -367,13 +367,15 @@ def run(args: argparse.Namespace) -> int:
             res = run_vmc(ham, cfg, ansatz, out, dist, e_ref=refs.e_fci, resume=args.resume,
                           callback=None if args.quiet else show,
                           title=f"{mol.name} / {mol.basis}", references=levels, tensorboard=args.tensorboard,
-                          stop=stop, warm_start=warm, warm_start_cfg=fit_cfg)
+                          stop=stop, warm_start=warm, warm_start_cfg=fit_cfg, started=(t0, cpu0))
         if res.stopped_at is not None:
             return stopped(res, out, stop, dist.is_main)
         if not dist.is_main:
             return 0
+        before = res.elapsed_before  # a resumed run's time fields cover the whole run
         result = result_record(args, mol, ham, refs, res, samples, ansatz, dist.world_size,
-                               time.perf_counter() - t0, t_ref, time.process_time() - cpu0)
+                               before["wall_s"] + time.perf_counter() - t0, t_ref,
+                               before["cpu_s"] + time.process_time() - cpu0)
         atomic_write_text(out / "result.json", json.dumps(result, indent=2) + "\n")
         print(final_table(result))
         print(f"wrote {out / 'result.json'}, {out / 'energies.jsonl'}, {out / 'convergence.png'}"

@@ -8,7 +8,6 @@ Writes on rank 0, when ``out`` is given: energies.jsonl (one row per step), chec
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -20,6 +19,7 @@ from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
 from seqlab.nnqs.evaluate import evaluate_energy
 from seqlab.nnqs.hamiltonian import Hamiltonian
 from seqlab.nnqs.lbfgs import build_lbfgs, lbfgs_step, reset_history
+from seqlab.nnqs.resume import check_same_run, elapsed_before, elapsed_now, start_settings, vmc_settings
 from seqlab.nnqs.step_guard import StepGuard
 from seqlab.nnqs.vmc import HARTREE_TO_MHA, StepStats, VMCConfig, build_sector, build_selected, initial_temperature, \
     uses_exact_sum, vmc_step
@@ -43,9 +43,11 @@ class RunResult:
     wall_time_s: float
     stopped_at: int | None = None  # completed steps when a signal stopped the run
     checkpoint: Path | None = None  # the last checkpoint written or loaded
-    warm_start: dict | None = None  # the supervised fit's losses and overlap (fresh runs with a target only)
+    warm_start: dict | None = None  # the supervised fit's losses and overlap (a resumed run: its checkpoint's)
     estimator: str = "sampled"  # what the steps used: "exact-sum", "selected-sum" or "sampled" (resolved "auto")
     rollbacks: list[int] = field(default_factory=list)  # steps whose energy jump the step guard undid (exact-sum runs)
+    # the time the run had taken up to the checkpoint it resumed from (resume.CLOCKS; zeros for a fresh run)
+    elapsed_before: dict[str, float] = field(default_factory=lambda: elapsed_before(None))
 
 
 def build_optimizer(wf: Wavefunction, cfg: VMCConfig) -> torch.optim.Optimizer:
@@ -61,7 +63,8 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
             callback: Callable[[StepStats], None] | None = None, title: str = "NNQS", *,
             references: dict[str, float | None] | None = None, tensorboard: str | Path | None = None,
             stop: GracefulStop | None = None, warm_start: TargetState | None = None,
-            warm_start_cfg: WarmStartConfig | None = None) -> RunResult:
+            warm_start_cfg: WarmStartConfig | None = None,
+            started: tuple[float, float] | None = None) -> RunResult:
     """Train a fresh (or resumed) wavefunction for ``cfg.steps`` steps, then evaluate its energy.
 
     ``e_ref`` (FCI) adds ``error_mha`` to every row; ``references`` ({"HF": e, "CCSD(T)": e, ...}) are drawn as
@@ -69,7 +72,12 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     has its parameters already). When ``stop.requested`` turns true (a signal), the run finishes its step,
     checkpoints it and returns with ``stopped_at`` set and no final evaluation; during the warm-start fit it returns
     at once with ``stopped_at`` 0 and no checkpoint. ``callback(stats)`` follows every step.
+
+    A resume refuses settings (``cfg``, the warm start) other than the checkpoint's (``resume.check_same_run``) and
+    carries the warm-start record and the time so far over; ``started`` (``time.perf_counter()``,
+    ``time.process_time()``) is when this invocation's work began (default: now), for the time checkpoints record.
     """
+    started = started or (time.perf_counter(), time.process_time())
     dist = dist or DistInfo()
     if cfg.sr and dist.world_size > 1:
         raise ValueError("VMCConfig.sr: stochastic reconfiguration is implemented for one process only")
@@ -79,7 +87,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     opt = build_optimizer(wf, cfg)
     store = checkpoint_store(out, cfg.keep_last) if out is not None else None
     guard = StepGuard(cfg.rollback_tol_mha, cfg.rollback_after)  # switched off below for sampled runs
-    start_step, t0, checkpoint, restored = 0, None, None, False
+    start_step, t0, checkpoint, restored, saved = 0, None, None, False, None
     if store is not None:
         check_new_run(out, resume)
         barrier(dist)  # every rank has looked at ``out`` before the main rank writes into it
@@ -93,12 +101,16 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     if cfg.lbfgs_steps and not exact and selected is None:  # before the warm-start fit, which may take minutes
         raise ValueError("VMCConfig.lbfgs_steps: L-BFGS needs a summed energy (the exact or selected sum), not samples")
     lbfgs = build_lbfgs(wf, cfg) if cfg.lbfgs_steps else None  # before the checkpoint, which restores its history
+    vmc_state, start_state = vmc_settings(cfg), start_settings(warm_start, warm_start_cfg)
     if checkpoint is not None:
+        saved = store.read_state(checkpoint)
+        check_same_run(checkpoint / "state.json", saved, vmc_state, start_state)
         start_step, t0, restored = load_checkpoint(store, checkpoint, wf, opt, guard, ham, selected, lbfgs)
         if start_step > cfg.steps:  # fewer steps than it ran: say so rather than rewrite its result with fewer
             raise ValueError(f"VMCConfig.steps={cfg.steps}: the run already holds {start_step} steps; resume with "
                              f"more --steps to continue it")
-    warm = None
+    warm = (saved or {}).get("warm_fit")  # a resumed run's fit happened before its checkpoint
+    before = elapsed_before(saved)
     if warm_start is not None and checkpoint is None:  # same seed, same data: every rank fits the same parameters
         t_fit = time.perf_counter()
 
@@ -110,7 +122,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
         warm = fit(wf, warm_start, warm_start_cfg or WarmStartConfig(), progress=dist.is_main and callback is not None,
                    should_stop=fit_stop)
         if warm is None:  # stopped during the fit: no checkpoint, so the same command starts afresh
-            return RunResult(wf, [], None, time.perf_counter() - t_start, 0, None, None)
+            return RunResult(wf, [], None, time.perf_counter() - t_start, 0, None, None, elapsed_before=before)
         warm["time_s"] = time.perf_counter() - t_fit
     if t0 is None:
         t0 = initial_temperature(wf, ham, cfg, dist)
@@ -121,7 +133,6 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     log = Logbook(out / LOG if out is not None else Path(LOG), resume_step=start_step - 1 if start_step else None,
                   tensorboard_dir=tensorboard, enabled=out is not None and dist.is_main)
     records = log.rows() if log.enabled else []
-    vmc_state = json.loads(json.dumps(asdict(cfg), default=str))
     stopped_at = None
     with log:
         heap = TrimOnGrowth()
@@ -137,7 +148,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
                 rec["rolled_back_to"] = guard.best_step
                 if lbfgs is not None:
                     reset_history(lbfgs)
-            rec["wall_time_s"] = time.perf_counter() - t_start
+            rec["wall_time_s"] = before["vmc_s"] + time.perf_counter() - t_start  # over the whole run
             rss = status_kib("VmRSS")  # a run that grows towards the machine's memory shows it step by step
             rec["resident_gib"] = None if rss is None else rss / 2**20
             rec["heap_trimmed"] = heap.after_step(rss)
@@ -152,8 +163,9 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
             stopping = stop is not None and any_rank(stop.requested, dist)  # every rank leaves at the same step
             if store is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping):
                 if dist.is_main:
+                    run = {"start": start_state, "warm_fit": warm, "elapsed": elapsed_now(before, started, t_start)}
                     checkpoint = save_checkpoint(store, wf, opt, done, t0, vmc_state, guard, ham,
-                                                 selected, lbfgs)
+                                                 selected, lbfgs, run)
             if stopping:
                 stopped_at = done
                 break
@@ -161,12 +173,12 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
         plot_convergence(log, out, references or {}, e_ref, title)
     if stopped_at is not None:
         return RunResult(wf, records, None, time.perf_counter() - t_start, stopped_at, checkpoint, warm, estimator,
-                         guard.rollbacks)
+                         guard.rollbacks, before)
     t_eval = time.perf_counter()
     final = evaluate_energy(wf, ham, cfg, dist, selected=selected)
     final["time_s"] = time.perf_counter() - t_eval
     return RunResult(wf, records, final, time.perf_counter() - t_start, None, checkpoint, warm, estimator,
-                     guard.rollbacks)
+                     guard.rollbacks, before)
 
 
 def plot_convergence(log: Logbook, out: Path, references: dict[str, float | None], e_ref: float | None,

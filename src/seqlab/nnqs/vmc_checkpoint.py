@@ -1,8 +1,8 @@
 """VMC checkpoints on the runtime's store, and the files that make a folder an NNQS run.
 
 One checkpoint is ``OUT/checkpoints/step_XXXXXXXX/`` with model.safetensors, optimizer.safetensors (AdamW moments
-and step count as tensors, never a pickle) and state.json (step, annealing T0, RNG state, configs, sha256 of each
-file), for the selected sum its space S (keys and H elements), and for L-BFGS steps the optimiser's history. The store writes it under a temporary name and
+and step count as tensors, never a pickle) and state.json (step, annealing T0, RNG state, configs, how the run
+started and its time so far, sha256 of each file), for the selected sum its space S (keys and H elements), and for L-BFGS steps the optimiser's history. The store writes it under a temporary name and
 renames it once, so a kill at any moment leaves the previous checkpoint or the new one, never a model one step
 ahead of its optimizer. Everything a step depends on is in it, so a resumed run continues bit for bit.
 """
@@ -66,11 +66,13 @@ def check_orbitals(where: Path, saved: dict[str, torch.Tensor] | None, ham: Hami
 
 def save_checkpoint(store: CheckpointStore, wf: Wavefunction, opt: torch.optim.Optimizer, step: int, t0: float,
                     vmc: dict[str, Any], guard: StepGuard | None = None, ham: Hamiltonian | None = None,
-                    selected: SelectedSpace | None = None, lbfgs: torch.optim.LBFGS | None = None) -> Path:
+                    selected: SelectedSpace | None = None, lbfgs: torch.optim.LBFGS | None = None,
+                    run: dict[str, Any] | None = None) -> Path:
     """Checkpoint after ``step`` completed steps (call on the main rank only), with the step guard's best state, the
-    orbital fingerprint of ``ham``, the selected space and the L-BFGS history."""
+    orbital fingerprint of ``ham``, the selected space, the L-BFGS history and ``run`` (JSON data for state.json:
+    how the run started and its time so far, ``resume.py``)."""
     opt_tensors, opt_meta = optimizer_state_to_tensors(opt)
-    state = {**wf.config_dict(), "t0": t0, "vmc": vmc, "optimizer": opt_meta, "rng": capture_rng()}
+    state = {**wf.config_dict(), **(run or {}), "t0": t0, "vmc": vmc, "optimizer": opt_meta, "rng": capture_rng()}
     tensors = {"model": dict(wf.state_dict()), "optimizer": opt_tensors}
     if ham is not None:
         tensors["orbitals"] = orbital_fingerprint(ham)
