@@ -302,7 +302,7 @@ def test_summary_says_why_a_slightly_faster_route_is_not_taken():
     assert "margin" not in lines[3] and "margin" not in lines[4]
 
 
-def test_info_prints_the_chosen_routes_and_timings(tmp_path, capsys):
+def test_info_prints_the_chosen_routes_and_timings(tmp_path, capsys, monkeypatch):
     save_pretrained(tiny_model(), tmp_path / "m")
     assert main(["info", str(tmp_path / "m")]) == 0
     out = capsys.readouterr().out
@@ -310,3 +310,7 @@ def test_info_prints_the_chosen_routes_and_timings(tmp_path, capsys):
     assert "dense" in out and " us" in out  # every shape with its route and the measured time of each route
     assert "whole decode step: plain" in out  # the fused step's check, with its timings and verdict
 
+    # the documented switch: info says the acceleration is off (it read a plan that was never made)
+    monkeypatch.setenv("SEQLAB_ACCEL", "0")
+    assert main(["info", str(tmp_path / "m")]) == 0
+    assert "acceleration off (SEQLAB_ACCEL=0)" in capsys.readouterr().out

@@ -132,7 +132,9 @@ class AccelPlan:
         for dt, total in self.dtype_totals_s.items():
             if not self.shapes.get(dt):  # no nn.Linear left to route (a quantised model: seqlab.quant times its own)
                 continue
-            lines.append(f"  {dt}: all products {total * 1e3:.3f} ms")
+            # where the fused step won, _accelerate returned before converting a layer: the routes were only timed
+            unused = "; not applied: the fused step runs every decode step on the plain layers" if self.fused else ""
+            lines.append(f"  {dt}: all products {total * 1e3:.3f} ms{unused}")
             for c in self.shapes.get(dt, []):
                 times = ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in c.timings_s.items())
                 kept = c.timings_s.get(c.route)  # a route must win by MIN_GAIN: a closer one leaves the plain one

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from seqlab.accel import accelerate
+from seqlab.accel.apply import DISABLE_ENV
 from seqlab.cli.model_args import add_quant_flags, apply_quant, check_quant_flags
 from seqlab.io import load_gguf, load_pretrained
 from seqlab.quant import QuantLinear, routes
@@ -44,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         per_token = 2 * cached_layers * cfg.n_kv_heads * cfg.head_dim * 4
         print(f"parameters: {parameter_count(model):,}   kv-cache: {per_token:,} bytes/token (fp32)")
         # what `seqlab generate`/`chat` would run here by default: routes, fused decode step, bf16 prefill, timings
-        print(accelerate(model, "decode", rows=1, dtype="auto").accel_plan.summary())
+        plan = accelerate(model, "decode", rows=1, dtype="auto").__dict__.get("accel_plan")
+        print(plan.summary() if plan is not None else f"acceleration off ({DISABLE_ENV}=0): the plain model's products")
     quantised = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if quantised:  # their products' routes are seqlab.quant's, chosen per shape and row count
         print(f"quantised products ({len(quantised)} layers; each shape's route at a decode step's one row and a "
