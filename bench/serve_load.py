@@ -11,8 +11,9 @@ then for each concurrency level C sends the same ``--requests`` prompts (mixed l
 
 Per level: aggregate output tokens/s (all completion tokens / wall time of the level), TTFT (request sent -> first
 text chunk) p50/p99, inter-token latency (gaps between text chunks) p50/p99, failed requests, and the server's RSS
-(``VmRSS``) after the level and its peak (``VmHWM``). Targets checked at the end: tok/s at 16 clients >= 4x tok/s at
-1; no failures; RSS after all levels within 5 % of RSS after warm-up. Loops are bounded by request count and by
+(``VmRSS``) after the level and its peak (``VmHWM``). Targets checked at the end, each printed as met or missed and
+written to the JSON's ``targets``: tok/s at 16 clients >= 4x tok/s at 1 (where both levels ran); no failures; RSS
+after all levels within 5 % of RSS after warm-up. Loops are bounded by request count and by
 ``--timeout`` per request. Writes ``bench/results/serve_load.json`` (atomically).
 """
 
@@ -188,6 +189,12 @@ def main() -> int:
               f"{r['peak_rss_mib']:>8.0f}")
     for k, v in summary.items():
         print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
+    targets = {"no failed request": summary["failed"] == 0, "RSS within 5 % of warm-up": summary["rss_growth"] <= 0.05}
+    if "speedup_16_vs_1" in summary:
+        targets["tok/s at 16 clients >= 4x at 1"] = summary["speedup_16_vs_1"] >= 4.0
+    for name, met in targets.items():
+        print(f"target {name}: {'met' if met else 'MISSED'}")
+    summary["targets"] = targets
     args.json.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(args.json, {"config": {k: str(v) for k, v in vars(args).items()}, "gguf": str(gguf),
                                   "levels": rows, "summary": summary, "machine": os.uname().nodename})

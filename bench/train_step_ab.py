@@ -57,9 +57,10 @@ def step_table(steps: list[dict], plain_key: str, plain_label: str) -> list[str]
     """Markdown rows for :func:`alternating_step_ms` results: ``kernel_ms`` against ``steps[i][plain_key]``."""
     if not steps:
         return []
-    return ["", f"| step | precision | installed | with the kernel | with {plain_label} | speed-up |",
-            "|---|---|---|---|---|---|"] + [
-        f"| {s['model']} | {s['precision']} | {s['installed']} | {s['kernel_ms']:.1f} ms | {s[plain_key]:.1f} ms | "
+    return ["", f"| step | precision | kernel timed | calibration kept | with the kernel | with {plain_label} | "
+            "speed-up |", "|---|---|---|---|---|---|---|"] + [
+        f"| {s['model']} | {s['precision']} | {s.get('kernel', s.get('installed'))} | "
+        f"{s.get('calibration_kept', 'kernel')} | {s['kernel_ms']:.1f} ms | {s[plain_key]:.1f} ms | "
         f"{s['speedup']:.3f}x |" for s in steps]
 
 
