@@ -116,3 +116,23 @@ def test_speculative_errors():
         generate(tiny_encdec(), ids, draft_model=tiny_encdec())
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         generate(target, ids, draft_model=target, num_speculative_tokens=0)
+
+
+def test_a_stop_string_cuts_a_speculative_round_where_greedy_stops():
+    """A round adds up to K+1 tokens at once; the ones after the token that completes a stop string are not part
+    of the output (they were kept, and streamed), so speculative decoding with a stop string matches greedy."""
+    from seqlab.data import ByteTokenizer
+
+    tok = ByteTokenizer()
+    model = tiny_decoder(seed=33, vocab_size=tok.vocab_size)
+    ids = torch.tensor([tok.encode("To be")])
+    plain = generate_output(model, ids, None, GenerationConfig(max_new_tokens=24, eos_token_id=[]), tokenizer=tok)
+    text = tok.decode(plain.sequences[0, ids.shape[1]:].tolist())
+    stop = next(text[i:i + 2] for i in range(3, len(text) - 4) if "\ufffd" not in text[i:i + 2]
+                and text.find(text[i:i + 2]) == i)
+    cfg = dict(max_new_tokens=24, eos_token_id=[], stop_strings=[stop])
+    greedy = generate_output(model, ids, None, GenerationConfig(**cfg), tokenizer=tok)
+    spec = generate_output(model, ids, None, GenerationConfig(**cfg, num_speculative_tokens=4), tokenizer=tok,
+                           draft_model=model)  # the draft is the target: every round is 5 tokens long
+    assert spec.sequences.tolist() == greedy.sequences.tolist()
+    assert tok.decode(greedy.sequences[0, ids.shape[1]:].tolist()).endswith(stop)

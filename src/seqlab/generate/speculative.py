@@ -94,18 +94,20 @@ def speculative_loop(target, draft, prep: Prepared, cfg: GenerationConfig, text:
         room = max_new - gen_len[rows]
         n_tok = torch.minimum(n_tok, room)
         done |= n_tok >= room
-        write = arangeK1[None, :] < n_tok[:, None]
-        cols = (gen_len[rows][:, None] + arangeK1[None, :])[write]
-        out[rows[:, None].expand(b, K + 1)[write], cols] = block[write]
-        gen_len[rows] += n_tok
         texts = None
         if text is not None or want_chunks:
             row_list = rows.tolist()
             tok_list = [block[i, :n].tolist() for i, n in enumerate(n_tok.tolist())]
-        if text is not None:
-            texts, stops = text.push(row_list, tok_list)
+        if text is not None:  # before the write: a stop string completed mid-round cuts the round there
+            texts, stops, kept = text.push_until_stop(row_list, tok_list)
             if text.has_stop_strings:
                 done |= torch.tensor(stops, device=device)
+                n_tok = torch.tensor(kept, dtype=torch.long, device=device)
+                tok_list = [t[:k] for t, k in zip(tok_list, kept)]
+        write = arangeK1[None, :] < n_tok[:, None]
+        cols = (gen_len[rows][:, None] + arangeK1[None, :])[write]
+        out[rows[:, None].expand(b, K + 1)[write], cols] = block[write]
+        gen_len[rows] += n_tok
         if rounds == 0:
             metrics.ttft_s = clock.lap("prefill")
         if want_chunks:

@@ -37,6 +37,19 @@ class TextTracker:
         self.emitted[row] = len(text)
         return piece, stopped
 
+    def push_until_stop(self, row: int, tokens: list[int]) -> tuple[str, bool, int]:
+        """:meth:`push` one token at a time, up to the one that completes a stop string: (text piece, stopped,
+        tokens kept). A speculative round adds several tokens at once; those after the stop are not the output."""
+        if not self.stop_strings:
+            return *self.push(row, tokens), len(tokens)
+        pieces = []
+        for n, token in enumerate(tokens, start=1):
+            piece, stopped = self.push(row, [token])
+            pieces.append(piece)
+            if stopped:
+                return "".join(pieces), True, n
+        return "".join(pieces), False, len(tokens)
+
 
 class TextStream:
     """The text side of one request: a :class:`TextTracker` over the original rows of the batch."""
@@ -69,6 +82,16 @@ class TextStream:
                 continue
             texts[row], stops[i] = self.tracker.push(row, toks)
         return texts, stops
+
+    def push_until_stop(self, rows: list[int], tokens: list[list[int]]
+                        ) -> tuple[list[str], list[bool], list[int]]:
+        """:meth:`push`, with each row's tokens cut after the one that completes a stop string: also returns, per
+        i, how many of ``tokens[i]`` were kept."""
+        texts = [""] * self.batch_size
+        stops, kept = [False] * len(rows), [len(t) for t in tokens]
+        for i, (row, toks) in enumerate(zip(rows, tokens)):
+            texts[row], stops[i], kept[i] = self.tracker.push_until_stop(row, toks)
+        return texts, stops, kept
 
 
 @dataclass
