@@ -296,3 +296,15 @@ def test_generation_runs_in_eval_mode_and_leaves_each_modules_mode_as_it_was():
     assert not model.training  # inside the request
     chunks.close()
     assert {name: m.training for name, m in model.named_modules()} == modes
+
+
+def test_generate_keywords_override_a_config_even_at_their_default_values():
+    """``generate(config=cfg, do_sample=False, max_new_tokens=32)``: both keywords win, although each equals the
+    function's default (they were dropped as "not given", and the config's sampling ran)."""
+    model = tiny_decoder(seed=44)
+    ids = torch.tensor([[5, 9, 13, 2]])
+    sampling = GenerationConfig(max_new_tokens=20, do_sample=True, temperature=0.9, seed=7)
+    greedy = generate(model, ids, max_new_tokens=32)
+    assert torch.equal(generate(model, ids, config=sampling, max_new_tokens=32, do_sample=False), greedy)
+    assert generate(model, ids, config=sampling).shape[1] == ids.shape[1] + 20  # not given: the config's
+    assert torch.equal(generate(model, ids, config=sampling, seed=0), generate(model, ids, config=sampling.updated(seed=0)))

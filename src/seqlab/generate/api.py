@@ -102,10 +102,23 @@ def generate_output(model, input_ids: Tensor, attention_mask: Tensor | None = No
             return stop.value
 
 
-def generate(model, input_ids: Tensor, attention_mask: Tensor | None = None, max_new_tokens: int = 32,
-             do_sample: bool = False, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-             min_p: float = 0.0, num_beams: int = 1, length_penalty: float = 1.0, draft_model=None,
-             eos_token_id: int | list[int] | None = None, seed: int | None = 0, *,
+class _Default:
+    """A parameter of :func:`generate` left out (shown as its value): with ``config=``, only the parameters given
+    override the config's fields, even one given at its default value (``do_sample=False`` over a sampling
+    config)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def generate(model, input_ids: Tensor, attention_mask: Tensor | None = None, max_new_tokens: int = _Default(32),
+             do_sample: bool = _Default(False), temperature: float = _Default(1.0), top_k: int = _Default(0),
+             top_p: float = _Default(1.0), min_p: float = _Default(0.0), num_beams: int = _Default(1),
+             length_penalty: float = _Default(1.0), draft_model=None,
+             eos_token_id: int | list[int] | None = _Default(None), seed: int | None = _Default(0), *,
              config: GenerationConfig | None = None, tokenizer=None, **kwargs) -> Tensor:
     """Generate continuations; returns ``LongTensor [B, T_prompt + new]`` in the Hugging Face layout.
 
@@ -115,13 +128,13 @@ def generate(model, input_ids: Tensor, attention_mask: Tensor | None = None, max
     Any other :class:`GenerationConfig` field can be passed as a keyword (``repetition_penalty=1.2``,
     ``stop_strings=[...]`` with ``tokenizer=``), or a whole ``config=``.
     """
-    fields = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
-                  top_p=top_p, min_p=min_p, num_beams=num_beams, length_penalty=length_penalty,
-                  eos_token_id=eos_token_id, seed=seed, **kwargs)
-    if config is not None:
-        defaults = GenerationConfig()
-        fields = {k: v for k, v in fields.items() if k in kwargs or getattr(defaults, k) != v}
-    cfg = _config_from(config, fields)
+    named = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                 top_p=top_p, min_p=min_p, num_beams=num_beams, length_penalty=length_penalty,
+                 eos_token_id=eos_token_id, seed=seed)
+    if config is None:
+        cfg = GenerationConfig(**{k: v.value if isinstance(v, _Default) else v for k, v in named.items()}, **kwargs)
+    else:  # only what was given overrides the config
+        cfg = _config_from(config, {**{k: v for k, v in named.items() if not isinstance(v, _Default)}, **kwargs})
     return generate_output(model, input_ids, attention_mask, cfg, draft_model, tokenizer).sequences
 
 
