@@ -307,4 +307,5 @@ def test_generate_keywords_override_a_config_even_at_their_default_values():
     greedy = generate(model, ids, max_new_tokens=32)
     assert torch.equal(generate(model, ids, config=sampling, max_new_tokens=32, do_sample=False), greedy)
     assert generate(model, ids, config=sampling).shape[1] == ids.shape[1] + 20  # not given: the config's
-    assert torch.equal(generate(model, ids, config=sampling, seed=0), generate(model, ids, config=sampling.updated(seed=0)))
+    reseeded = generate(model, ids, config=sampling.updated(seed=0))
+    assert torch.equal(generate(model, ids, config=sampling, seed=0), reseeded)
