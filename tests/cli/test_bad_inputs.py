@@ -84,6 +84,7 @@ GENERATE_CASES: list[Case] = [
     Case("generate-empty-folder", ["generate", "--checkpoint", "{tmp}", "--prompt", "hi"], "no model here"),
     Case("generate-json-under-file", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--json", "{tmp}/f/out.json"], "is a file", files={"f": "x"}),
     Case("generate-json-is-dir", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--json", "{tmp}"], "is a directory"),
+    Case("generate-draft-with-strategy-sample", ["generate", "--checkpoint", "{run}", "--draft", "{run}", "--prompt", "hi", "--strategy", "sample"], "--draft runs speculative decoding"),
     Case("generate-device-cuda", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--device", "cuda:99"], "--device cuda:99"),
     Case("generate-bad-gguf", ["generate", "--gguf", "{tmp}/x.gguf", "--prompt", "hi"], "not a GGUF file", files={"x.gguf": "this is not a gguf file, just some words in it"}),
     Case("generate-max-new-tokens-zero", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
@@ -98,6 +99,7 @@ GENERATE_CASES: list[Case] = [
 
 CHAT_CASES: list[Case] = [
     Case("chat-empty-message", ["chat", "--checkpoint", "{run}", "--message", "  "], "--message is empty"),
+    Case("chat-greedy-with-top-k", ["chat", "--checkpoint", "{run}", "--message", "hi", "--temperature", "0", "--top-k", "5"], "--temperature 0 is greedy decoding"),
     Case("chat-max-new-tokens-beyond-context", ["chat", "--checkpoint", "{run}", "--message", "hi", "--max-new-tokens", "100000"], "does not fit the model's context of"),
     Case("chat-device-cuda", ["chat", "--checkpoint", "{run}", "--message", "hi", "--device", "cuda:99"], "--device cuda:99"),
     Case("chat-config-type", ["chat", "--checkpoint", "{tmp}/m", "--message", "hi"], "ModelConfig.n_kv_heads", files={"m/config.json": '{"format": "seqlab", "config": {"n_kv_heads": "2"}}'}),

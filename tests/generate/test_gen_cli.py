@@ -108,6 +108,14 @@ def test_stream_prints_what_the_plain_command_prints(ckpt, capsys):
     assert capsys.readouterr().out == plain and plain.startswith("To be")
 
 
+def test_any_temperature_given_samples_one_included(ckpt, capsys):
+    """``--temperature 1.0`` asks for sampling at T=1, as ``--temperature 0.99`` does; it read as "not set"."""
+    d, _, _ = ckpt
+    args = ["generate", "--checkpoint", str(d), "--prompt", "hi", "--max-new-tokens", "4", "--metrics", "--no-pack"]
+    assert main(args) == 0 and "greedy:" in capsys.readouterr().err
+    assert main([*args, "--temperature", "1.0", "--seed", "5"]) == 0 and "sample:" in capsys.readouterr().err
+
+
 def test_a_draft_alone_keeps_greedy_decoding(ckpt, capsys):
     """Speculative decoding is a speed-up: with no sampling knob its text is greedy's (the draft is the model)."""
     d, _, _ = ckpt
@@ -126,6 +134,7 @@ def test_a_draft_alone_keeps_greedy_decoding(ckpt, capsys):
     (["--num-beams", "2", "--stop", "x"], "beam search does not stop at --stop strings"),
     (["--num-beams", "2", "--stream"], "beam search settles its text only at the end"),
     (["--strategy", "sample", "--num-beams", "3"], "--num-beams 3 needs beam search, not --strategy sample"),
+    (["--strategy", "greedy", "--draft", "SELF"], "--draft runs speculative decoding"),
 ])
 def test_flags_the_strategy_would_drop_are_refused(ckpt, capsys, extra, message):
     d, _, _ = ckpt

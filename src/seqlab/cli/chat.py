@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--message", "-m", metavar="TEXT", help="answer this one user message and exit (for scripts)")
     p.add_argument("--system", metavar="TEXT", help="system prompt (default: the template's own, if any)")
     p.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default 0.7)")
-    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (default 0.9)")
     p.add_argument("--top-k", type=int, default=0, help="keep only the k most likely tokens (0 = off)")
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=None,
@@ -140,9 +140,13 @@ def _load_chat_model(args):
 def run_chat(args: argparse.Namespace) -> int:
     if args.message is not None and not args.message.strip():  # (the interactive session skips blank lines)
         raise ValueError("--message is empty: give the text the model should answer")
+    if args.temperature == 0 and (args.top_k or args.top_p is not None):  # as `seqlab generate` refuses them
+        raise ValueError("--temperature 0 is greedy decoding: --top-k/--top-p do not apply (drop them, or give a "
+                         "temperature above 0)")
     path, model, tokenizer = _load_chat_model(args)
     session = ChatSession(model, tokenizer, system=args.system, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          temperature=args.temperature, top_p=0.9 if args.top_p is None else args.top_p,
+                          top_k=args.top_k,
                           repetition_penalty=args.repetition_penalty, seed=args.seed,
                           compile=getattr(args, "compile", False))
     if args.message is not None:

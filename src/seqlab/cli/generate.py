@@ -53,8 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "template and print only the reply (as `seqlab chat --message` does)")
     p.add_argument("--system", metavar="TEXT", help="system prompt for --chat")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
-    p.add_argument("--temperature", type=float, default=1.0, help="0 means greedy (default 1.0: with no other "
-                   "sampling knob set, greedy decoding)")
+    p.add_argument("--temperature", type=float, default=None, help="0 means greedy (not given: 1.0 for sampling; "
+                   "with no sampling knob set, greedy decoding)")
     p.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (default 0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set holding this much "
                    "probability (default 1.0: all)")
@@ -84,7 +84,7 @@ def _filters(args) -> bool:
 
 
 def _sampling_knob(args) -> bool:
-    return _filters(args) or args.temperature != 1.0
+    return _filters(args) or args.temperature_given
 
 
 def _strategy(args) -> str:
@@ -120,6 +120,9 @@ def _check_combination(args, strategy: str) -> None:
                          + (" (--draft runs speculative decoding)" if args.draft else ""))
     if strategy == "speculative" and not args.draft:
         raise ValueError("--strategy speculative needs --draft DIR")
+    if args.draft and strategy in ("greedy", "sample"):
+        raise ValueError(f"--draft runs speculative decoding (greedy or sampled, as the other flags say): drop "
+                         f"--strategy {strategy}, or drop --draft")
     if args.num_speculative_tokens is not None and strategy != "speculative":
         raise ValueError("--num-speculative-tokens sets what a --draft model proposes: add --draft DIR, or drop it")
     if args.length_penalty != 1.0 and strategy != "beam":
@@ -148,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.prompts_file}: no prompts (one per line)")
     else:
         prompts = args.prompt
+    # any --temperature asks for sampling (1.0 included); none leaves the choice to the other flags
+    args.temperature_given, args.temperature = args.temperature is not None, (
+        1.0 if args.temperature is None else args.temperature)
     strategy = _strategy(args)
     _check_combination(args, strategy)
     if args.stream and len(prompts) > 1:
