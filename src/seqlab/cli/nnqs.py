@@ -254,7 +254,8 @@ def fill_recipe(args: argparse.Namespace, recipe: Recipe) -> None:
 
 def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, ansatz: AnsatzConfig,
                   world_size: int, wall_s: float, t_ref: float, cpu_s: float) -> dict:
-    """result.json: the run's inputs, the NNQS energy and every reference on the same orbitals."""
+    """result.json: the run's inputs, the NNQS energy and every reference on the same orbitals; the time fields
+    cover the whole run (a resumed one's checkpoint carries its time so far)."""
     fin = res.final
 
     def error_mha(e: float | None) -> float | None:
@@ -284,7 +285,7 @@ def result_record(args: argparse.Namespace, mol, ham, refs, res, samples: int, a
         "pin_warm_start": args.pin_warm_start,
         "selected_sign_fit": args.selected_sign_fit, "lbfgs_steps": args.lbfgs_steps, "lbfgs_iters": args.lbfgs_iters,
         "checkpoint_every": args.checkpoint_every, "warm_start": res.warm_start, "kv_cache": not args.no_cache,
-        "wall_time_s": wall_s, "cpu_time_s": cpu_s,
+        "wall_time_s": res.elapsed_before["wall_s"] + wall_s, "cpu_time_s": res.elapsed_before["cpu_s"] + cpu_s,
         "vmc_time_s": res.elapsed_before["vmc_s"] + res.wall_time_s,
         "reference_time_s": t_ref, "notes": refs.notes,
     }
@@ -294,8 +295,7 @@ def run(args: argparse.Namespace) -> int:
     samples = check_flags(args)
     mol = get_molecule(args.molecule, args.atom, args.basis, args.charge, args.spin, xyz=args.xyz, unit=args.unit)
     pmol = build_pyscf(mol)  # the basis, no SCF yet: the orbital count, so the sector's size, is known here
-    check_exact_sum_fits(args.estimator, n_configurations(pmol.nao, mol.n_alpha, mol.n_beta), VMCConfig.sector_max,
-                         "--estimator")
+    check_exact_sum_fits(args.estimator, n_configurations(pmol.nao, mol.n_alpha, mol.n_beta), "--estimator")
     out = Path(args.out or os.path.join("runs", f"nnqs-{mol.name.lower()}"))
     if args.resume and args.overwrite:
         raise ValueError("--resume and --overwrite contradict each other: continue the run in --out, or replace it")
@@ -372,10 +372,8 @@ def run(args: argparse.Namespace) -> int:
             return stopped(res, out, stop, dist.is_main)
         if not dist.is_main:
             return 0
-        before = res.elapsed_before  # a resumed run's time fields cover the whole run
         result = result_record(args, mol, ham, refs, res, samples, ansatz, dist.world_size,
-                               before["wall_s"] + time.perf_counter() - t0, t_ref,
-                               before["cpu_s"] + time.process_time() - cpu0)
+                               time.perf_counter() - t0, t_ref, time.process_time() - cpu0)
         atomic_write_text(out / "result.json", json.dumps(result, indent=2) + "\n")
         print(final_table(result))
         print(f"wrote {out / 'result.json'}, {out / 'energies.jsonl'}, {out / 'convergence.png'}"

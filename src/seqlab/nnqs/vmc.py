@@ -119,7 +119,8 @@ def build_sector(ham: Hamiltonian, cfg: VMCConfig, dist: DistInfo) -> SectorHami
 EXACT_SUM_HINT = "use 'selected-sum', 'sampled' or 'auto'"
 
 
-def check_exact_sum_fits(estimator: str, n_configurations: int, sector_max: int, name: str) -> None:
+def check_exact_sum_fits(estimator: str, n_configurations: int, name: str,
+                         sector_max: int = VMCConfig.sector_max) -> None:
     """Refuse ``estimator`` 'exact-sum' on a sector past the fast path from the counts alone (``name``: the flag or
     field to blame): the CLI asks before the SCF and the references, which take most of a minute on H2O/6-31G."""
     if estimator == "exact-sum" and n_configurations > sector_max:

@@ -7,7 +7,8 @@
 
 from seqlab.runtime.errors import CheckpointError
 from seqlab.train.config import TrainConfig, TrainConfigError
-from seqlab.train.trainer import StopTraining, Trainer, TrainingDiverged, TrainResult
+from seqlab.train.outcome import StopTraining, TrainingDiverged, TrainResult
+from seqlab.train.trainer import Trainer
 
 __all__ = ["CheckpointError", "StopTraining", "TrainConfig", "TrainConfigError", "TrainResult", "Trainer",
            "TrainingDiverged"]

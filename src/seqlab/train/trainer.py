@@ -24,7 +24,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
@@ -47,6 +46,7 @@ from seqlab.train.evaluate import evaluate_on_ranks, to_device
 from seqlab.train.guards import check_resume_steps, check_unchanged, non_finite_parameter
 from seqlab.train.optim import build_optimizer
 from seqlab.train.order import StepSampler
+from seqlab.train.outcome import StopTraining, TrainingDiverged, TrainResult
 from seqlab.train.precision import resolve_precision
 from seqlab.train.recompute import enable_activation_checkpointing
 from seqlab.train.run import INIT_WEIGHTS, kept_init_weights
@@ -57,28 +57,6 @@ from seqlab.train.schedule import LRSchedule
 # metrics.jsonl names of the pooled evaluation metrics (eval.metrics.EvalTotals.as_dict)
 _VAL_NAMES = {"loss": "val_loss", "n_targets": "val_targets", "perplexity": "val_ppl", "bits_per_byte": "val_bpb",
               "n_bytes": "val_bytes"}
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss, the gradient norm or the weights became NaN or infinite; the message names the step and the last
-    good checkpoint."""
-
-
-class StopTraining(Exception):
-    """Raised by a callback to end ``fit`` early (tests use it to simulate a kill right after a checkpoint)."""
-
-
-@dataclass
-class TrainResult:
-    step: int
-    loss: float | None
-    tokens_seen: int
-    train_seconds: float
-    eval: dict[str, float] = field(default_factory=dict)
-    eval_step: int | None = None  # the step ``eval`` was measured at (a stopped run's may be an earlier one)
-    checkpoint: str | None = None
-    losses: list[float] = field(default_factory=list)  # per-step losses of this call (all steps, not just logged)
-    signal: int | None = None  # the signal that ended the run early (after a checkpoint at its step)
 
 
 class Trainer:
