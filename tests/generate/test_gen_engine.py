@@ -309,3 +309,24 @@ def test_generate_keywords_override_a_config_even_at_their_default_values():
     assert generate(model, ids, config=sampling).shape[1] == ids.shape[1] + 20  # not given: the config's
     reseeded = generate(model, ids, config=sampling.updated(seed=0))
     assert torch.equal(generate(model, ids, config=sampling, seed=0), reseeded)
+
+
+def test_streamed_text_is_the_final_text_and_beam_streams_its_text():
+    """A row whose generation ends inside a UTF-8 sequence: the held-back piece (U+FFFD) is final then, and the
+    stream hands it out, so the joined chunks equal the decoded output; beam search's one chunk carries its text."""
+    from seqlab.data import ByteTokenizer
+
+    tok = ByteTokenizer()
+    ids = torch.tensor([tok.encode("To be")])
+    ends_mid_character = 0
+    for seed in range(12):
+        model = tiny_decoder(seed=seed, vocab_size=tok.vocab_size)
+        s = stream(model, ids, None, GenerationConfig(max_new_tokens=13, eos_token_id=[]), tokenizer=tok)
+        joined = "".join(chunk.texts[0] for chunk in s)
+        final = tok.decode(s.output.sequences[0, ids.shape[1]:].tolist())
+        assert joined == final, seed
+        ends_mid_character += final.endswith("\ufffd")
+    assert ends_mid_character > 0  # the case the test is for did occur
+    beams = stream(model, ids, None, GenerationConfig(max_new_tokens=6, num_beams=3, eos_token_id=[]), tokenizer=tok)
+    (chunk,) = list(beams)
+    assert chunk.texts[0] == tok.decode(beams.output.sequences[0, ids.shape[1]:].tolist())

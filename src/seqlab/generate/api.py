@@ -47,6 +47,18 @@ def _eval_mode(model) -> Iterator[None]:
             m.training = True
 
 
+def _beam_chunk(new: Tensor, eos: list[int], text: TextStream | None) -> StreamChunk:
+    """Beam search's one chunk: each row's tokens up to its EOS (the padding after it left out), and their text
+    where there is a tokenizer."""
+    rows = new.tolist()
+    tokens = [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
+    texts = None
+    if text is not None:
+        texts, _ = text.push(list(range(len(rows))), tokens)
+        texts = [t + r for t, r in zip(texts, text.rest())]
+    return StreamChunk(0, tokens, texts, [True] * len(rows))
+
+
 def _run(model, input_ids, attention_mask, cfg: GenerationConfig, draft_model=None, tokenizer=None,
          want_chunks: bool = False) -> Iterator[StreamChunk]:
     """Every strategy, as a generator of stream chunks whose return value is the GenerationOutput."""
@@ -66,12 +78,14 @@ def _run(model, input_ids, attention_mask, cfg: GenerationConfig, draft_model=No
             new = torch.empty(B, 0, dtype=torch.long, device=device)
         elif strategy == "beam":
             new, scores = beam_search(model, prep, cfg, metrics)
-            if want_chunks:
-                yield StreamChunk(0, new.tolist(), None, [True] * B)
-        elif strategy == "speculative":
-            new = yield from speculative_loop(model, draft_model, prep, cfg, text, metrics, want_chunks)
+            if want_chunks:  # the whole text at once: beam search settles it only at the end
+                yield _beam_chunk(new, prep.eos, TextStream.for_request(tokenizer, B, [], True))
         else:
-            new = yield from sample_loop(model, prep, cfg, text, metrics, want_chunks)
+            loop = (speculative_loop(model, draft_model, prep, cfg, text, metrics, want_chunks)
+                    if strategy == "speculative" else sample_loop(model, prep, cfg, text, metrics, want_chunks))
+            new = yield from loop
+            if want_chunks and text is not None and any(rest := text.rest()):  # held back, now final
+                yield StreamChunk(new.shape[1], [[] for _ in range(B)], rest, [True] * B)
     if prep.encdec:
         start = torch.full((B, 1), decoder_start_token_id(model), dtype=torch.long, device=new.device)
         sequences = torch.cat([start, new], dim=1)

@@ -37,6 +37,13 @@ class TextTracker:
         self.emitted[row] = len(text)
         return piece, stopped
 
+    def rest(self, row: int) -> str:
+        """What ``row``'s text holds that :meth:`push` has not handed out: at the end of generation, text that ends
+        in U+FFFD is final (no next token will complete it)."""
+        piece = self.text[row][self.emitted[row]:]
+        self.emitted[row] = len(self.text[row])
+        return piece
+
     def push_until_stop(self, row: int, tokens: list[int]) -> tuple[str, bool, int]:
         """:meth:`push` one token at a time, up to the one that completes a stop string: (text piece, stopped,
         tokens kept). A speculative round adds several tokens at once; those after the stop are not the output."""
@@ -82,6 +89,10 @@ class TextStream:
                 continue
             texts[row], stops[i] = self.tracker.push(row, toks)
         return texts, stops
+
+    def rest(self) -> list[str]:
+        """Per row, the text held back until now (see :meth:`TextTracker.rest`)."""
+        return [self.tracker.rest(row) for row in range(self.batch_size)]
 
     def push_until_stop(self, rows: list[int], tokens: list[list[int]]
                         ) -> tuple[list[str], list[bool], list[int]]:
