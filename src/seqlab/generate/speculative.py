@@ -62,6 +62,13 @@ def speculative_loop(target, draft, prep: Prepared, cfg: GenerationConfig, text:
     clock = timing.Stopwatch(device)
 
     slots = T + max_new + K + 1 if B == 1 else T + (K + 1) * max_new + 1  # holes appear only when B > 1
+    for role, m, need in (("target", target, slots), ("draft", draft, slots + 1)):
+        if m.config.pos == "learned" and need > m.config.max_seq_len:  # said before any work, with what to lower
+            raise ValueError(f"speculative decoding of this request keeps {need} cache slots (prompt {T}, "
+                             f"max_new_tokens {max_new}, num_speculative_tokens {K}, batch {B}: a round looks "
+                             f"{K} tokens ahead), past the {role}'s learned position table (max_seq_len="
+                             f"{m.config.max_seq_len}); lower max_new_tokens or num_speculative_tokens, or decode "
+                             "without the draft")
     t_cache = target.new_cache(B, slots, dtype=next(target.parameters()).dtype, device=device)
     d_cache = draft.new_cache(B, slots + 1, dtype=next(draft.parameters()).dtype, device=device)
     p0 = proc.probs(prefill(target, prep.input_ids, t_cache, prep.attention_mask, last_index=prep.last_index))
