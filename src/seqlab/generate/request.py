@@ -94,10 +94,11 @@ def prepare(model, input_ids: Tensor, attention_mask: Tensor | None, cfg: Genera
         if not cfg.truncate_prompt:
             size = (f"{longest} tokens" if longest > limit
                     else f"{longest} tokens + max_new_tokens={cfg.max_new_tokens} = {need}")
+            lower = "" if longest > limit else "lower max_new_tokens (--max-new-tokens), "
             raise ValueError(
                 f"{what} of {size} exceeds the model's context (ModelConfig.max_seq_len={limit}); shorten it, "
-                f"lower max_new_tokens, or set GenerationConfig.truncate_prompt=True to keep the last tokens (on the "
-                f"command line: --max-new-tokens, --truncate)")
+                f"{lower}or set GenerationConfig.truncate_prompt=True to keep the last tokens (on the command line: "
+                "--truncate)")
         keep = limit if (encdec or mcfg.pos != "learned") else limit - cfg.max_new_tokens
         if keep < 1:
             raise ValueError(f"max_new_tokens={cfg.max_new_tokens} leaves no room for a prompt in the context "
