@@ -30,8 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "Prints one JSON object per line: {\"text\": ..., \"embedding\": [...]}.",
     )
     e.add_argument("texts", nargs="*", help="sentences to embed (or use --file, or stdin)")
-    e.add_argument("--model", metavar="DIR", help="a BERT-like Hugging Face folder, or a seqlab encoder checkpoint or run directory (e.g. "
-                   f"an mlm run; default: the model shipped by `{MINILM_PACKAGE}`)")
+    e.add_argument("--model", metavar="DIR", help="a BERT-like Hugging Face folder, or a seqlab encoder checkpoint "
+                   f"or run directory (e.g. an mlm run; default: the model shipped by `{MINILM_PACKAGE}`)")
     e.add_argument("--file", metavar="PATH", help="read sentences from this file, one per line")
     e.add_argument("--max-length", type=int, default=None, help="truncate inputs to this many tokens "
                    "(default: sentence_bert_config.json's max_seq_length, else 512)")
