@@ -4,7 +4,7 @@ Defaults (no ``--data``): the embedded Shakespeare corpus for clm/mlm, the synth
 seq2seq, built-in chats for sft and preference pairs for dpo (``data.synthetic``) — all deterministic.
 
 Splits of a user file (so one file is enough): JSONL examples with ``index % 20 == 19`` are validation, the rest
-train; a single plain-text document keeps its last ~5 % (cut at a line break) for validation. ``split="all"``
+train; a single plain-text document keeps its last 5-7.5 % (:func:`split_text`) for validation. ``split="all"``
 uses everything (e.g. when a separate validation file is given).
 
 CLM rows are windows of ``seq_len`` tokens over the token stream (documents joined by EOS) with stride
