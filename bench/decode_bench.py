@@ -313,7 +313,7 @@ def run_benchmark(bc: BenchConfig, log=print) -> dict:
             log(f"{dname:5s} TTFT {bc.ttft_prompt_len}-token prompt fp32 arithmetic bound: {bound:7.1f} ms")
         copies = {"seqlab+accel": packed, "seqlab default": default}
         for name, s in ttft.items():
-            route = prefill_route(copies.get(name))
+            route = prefill_route(copies.get(name), bc.ttft_prompt_len)
             ms = statistics.median(s) * 1e3
             results["ttft"].append({"dtype": dname, "impl": name, "prompt_len": bc.ttft_prompt_len, "ttft_ms": ms,
                                     "samples_ms": [x * 1e3 for x in s], **bound_fields(bound, ms),
@@ -335,13 +335,17 @@ def packed_copy(model, rows: int, for_: str = "decode", dtype=None):
     return accelerate(copy.deepcopy(model), for_, rows=rows, dtype=dtype)
 
 
-def prefill_route(model) -> str | None:
-    """The prefill route an accelerated copy's calibration chose (``"64+ tokens in fp32 on oneDNN"``, or ``"plain
-    products"``), for the TTFT rows: the choice is timed per process, so a results file must say which one ran."""
+def prefill_route(model, n_tokens: int) -> str | None:
+    """The route an accelerated copy's prefill of ``n_tokens`` tokens took, and the calibration's whole chain
+    (``"bf16 (plan: 64+ tokens in fp32 on oneDNN, 256+ in bf16)"``, or ``"plain products"``), for the TTFT rows: the
+    choice is timed per process, so a results file must say which one ran."""
     plan = getattr(model, "accel_plan", None)
+    cast = getattr(model, "prefill_cast", None)
     if plan is None:
         return None
-    return plan.prefill_route if plan.prefill_from else "plain products"
+    if not plan.prefill_from or cast is None:
+        return "plain products"
+    return f"{cast.route_for(n_tokens)} (plan: {plan.prefill_route})"
 
 
 def default_copy(model, rows: int, dname: str):

@@ -182,7 +182,7 @@ def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats
         if bound is not None:
             log(f"{dname} TTFT {ttft_len} tokens fp32 arithmetic bound: {bound:7.1f} ms")
         for name, s in t.items():
-            route = prefill_route(copies.get(name))
+            route = prefill_route(copies.get(name), ttft_len)
             ms = statistics.median(s) * 1e3
             out["ttft"].append({"dtype": dname, "impl": name, "prompt_len": ttft_len, "ms": ms,
                                 "samples_ms": [x * 1e3 for x in s], **bound_fields(bound, ms),

@@ -370,3 +370,11 @@ def test_a_quantised_model_times_its_own_prefill(monkeypatch):
     # and no oneDNN route where no plain nn.Linear is left for it to route (it would time plain products twice)
     assert [set(t) for m, t in timed] == [{"fp32", "onednn", "bf16"}] * 3 + [{"fp32", "bf16"}] * 3
     assert choose_prefill_cast(quantised, use_cache=False, allow_bf16=False) == (None, {})  # nothing to time
+
+
+def test_route_for_follows_the_chain_by_prompt_length():
+    """What a prompt of n tokens runs (the bench labels its TTFT rows with it): below the first step plain, then
+    each step's route from its length on."""
+    cast = PrefillCast(torch.float32, 64, PrefillCast(torch.bfloat16, 256, PrefillCast(None, 1024)))
+    assert [cast.route_for(n) for n in (16, 64, 255, 256, 512, 1024, 4096)] == [
+        "plain fp32", "fp32 on oneDNN", "fp32 on oneDNN", "bf16", "bf16", "plain fp32", "plain fp32"]

@@ -146,6 +146,12 @@ class PrefillCast:
     def route(self) -> str:
         return {None: "plain fp32", torch.float32: "fp32 on oneDNN"}.get(self.dtype, "bf16")
 
+    def route_for(self, n_tokens: int) -> str:
+        """The route a prefill of ``n_tokens`` tokens takes along the chain (as :meth:`context` picks it)."""
+        if self.longer is not None and n_tokens >= self.longer.min_tokens:
+            return self.longer.route_for(n_tokens)
+        return self.route if n_tokens >= self.min_tokens else "plain fp32"
+
     @property
     def label(self) -> str:
         """``"64+ tokens in fp32 on oneDNN, 256+ in bf16"`` (``"; the head on oneDNN"`` where it is)."""
