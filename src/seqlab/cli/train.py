@@ -225,7 +225,7 @@ def run_train(args: argparse.Namespace) -> int:
     main_rank = int(os.environ.get("RANK", "0")) == 0
     cfg = make_config(args)  # every option checked before --overwrite moves an old run aside
     resolve_device(cfg.device)  # a missing GPU fails now, not after the data is built
-    _check_inputs_exist(cfg, args.resume)  # and the files it names (their contents are read, and checked, after the move)
+    _check_inputs_exist(cfg, args.resume)  # and its files (their contents are read, and checked, after the move)
     # a run that fails before it trained anything leaves no folder behind, so the corrected command runs as given
     with removed_if_left_empty(args.out, nothing_trained if main_rank else None):
         return _train(args, cfg, main_rank)

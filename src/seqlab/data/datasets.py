@@ -131,10 +131,14 @@ def windows(stream: torch.Tensor, seq_len: int, stride: int) -> list[list[int]]:
     return [_window(stream, seq_len, stride, i) for i in range(n_windows(len(stream), seq_len, stride))]
 
 
+def _seq2seq_cut(source: list[int], target: list[int], seq_len: int, eos: int) -> dict[str, list[int]]:
+    """A pair's rows: the source cut to ``seq_len - 1`` tokens and ended by EOS, the target cut alike (a batch adds
+    its start token)."""
+    return {"source_ids": source[: seq_len - 1] + [eos], "target_ids": target[: seq_len - 1]}
+
+
 def _seq2seq_item(tokenizer: Any, seq_len: int, ex: dict[str, str]) -> dict[str, list[int]]:
-    eos = tokenizer.eos_id
-    return {"source_ids": tokenizer.encode(ex["source"])[: seq_len - 1] + [eos],
-            "target_ids": tokenizer.encode(ex["target"])[: seq_len - 1]}
+    return _seq2seq_cut(tokenizer.encode(ex["source"]), tokenizer.encode(ex["target"]), seq_len, tokenizer.eos_id)
 
 
 def _file_items(objective: str, path: str | os.PathLike, tokenizer: Any, seq_len: int, split: str) -> list[dict]:
@@ -144,7 +148,7 @@ def _file_items(objective: str, path: str | os.PathLike, tokenizer: Any, seq_len
     if objective == "seq2seq":
         full = [(tokenizer.encode(ex["source"]), tokenizer.encode(ex["target"]))
                 for ex in split_items(readers.read_seq2seq(path), split, path)]
-        items = [{"source_ids": s[: seq_len - 1] + [tokenizer.eos_id], "target_ids": t[: seq_len - 1]} for s, t in full]
+        items = [_seq2seq_cut(s, t, seq_len, tokenizer.eos_id) for s, t in full]
         lengths = [max(len(s), len(t)) + 1 for s, t in full]  # the source ends in EOS, the target gains one in a batch
     elif objective == "sft":
         full = [tokenize_chat(tokenizer, ex["messages"]) for ex in split_items(readers.read_sft(path), split, path)]

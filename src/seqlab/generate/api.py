@@ -54,7 +54,7 @@ def _beam_chunk(new: Tensor, eos: list[int], text: TextStream | None) -> StreamC
     tokens = [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
     texts = None
     if text is not None:
-        texts, _ = text.push(list(range(len(rows))), tokens)
+        texts, _, _ = text.push(list(range(len(rows))), tokens)
         texts = [t + r for t, r in zip(texts, text.rest())]
     return StreamChunk(0, tokens, texts, [True] * len(rows))
 

@@ -54,7 +54,7 @@ def sample_loop(model, prep: Prepared, cfg: GenerationConfig, text: TextStream |
         if text is not None or want_chunks:
             row_list, tok_list, live = rows.tolist(), [[t] for t in tok.tolist()], unfinished.tolist()
         if text is not None:
-            texts, stops = text.push(row_list, tok_list, live)
+            texts, stops, _ = text.push(row_list, tok_list, live)  # one token a row: kept whole
             if text.has_stop_strings:
                 s = torch.tensor(stops, device=device)
                 hit = s if hit is None else hit | s

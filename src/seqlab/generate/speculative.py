@@ -106,7 +106,7 @@ def speculative_loop(target, draft, prep: Prepared, cfg: GenerationConfig, text:
             row_list = rows.tolist()
             tok_list = [block[i, :n].tolist() for i, n in enumerate(n_tok.tolist())]
         if text is not None:  # before the write: a stop string completed mid-round cuts the round there
-            texts, stops, kept = text.push_until_stop(row_list, tok_list)
+            texts, stops, kept = text.push(row_list, tok_list)
             if text.has_stop_strings:
                 done |= torch.tensor(stops, device=device)
                 n_tok = torch.tensor(kept, dtype=torch.long, device=device)

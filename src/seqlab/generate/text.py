@@ -76,33 +76,24 @@ class TextStream:
         return cls(tokenizer, batch_size, stop_strings)
 
     def push(self, rows: list[int], tokens: list[list[int]], live: list[bool] | None = None
-             ) -> tuple[list[str], list[bool]]:
-        """Add ``tokens[i]`` to original row ``rows[i]`` for each live i.
+             ) -> tuple[list[str], list[bool], list[int]]:
+        """Add ``tokens[i]`` to original row ``rows[i]`` for each live i, up to the token that completes a stop
+        string (:meth:`TextTracker.push_until_stop`).
 
         Returns the new text piece per original row ("" where nothing was added) and, per i, whether a stop
-        string now occurs in that row's text.
+        string now occurs in that row's text and how many of ``tokens[i]`` were kept.
         """
         texts = [""] * self.batch_size
-        stops = [False] * len(rows)
+        stops, kept = [False] * len(rows), [len(t) for t in tokens]
         for i, (row, toks) in enumerate(zip(rows, tokens)):
             if live is not None and not live[i]:
                 continue
-            texts[row], stops[i] = self.tracker.push(row, toks)
-        return texts, stops
+            texts[row], stops[i], kept[i] = self.tracker.push_until_stop(row, toks)
+        return texts, stops, kept
 
     def rest(self) -> list[str]:
         """Per row, the text held back until now (see :meth:`TextTracker.rest`)."""
         return [self.tracker.rest(row) for row in range(self.batch_size)]
-
-    def push_until_stop(self, rows: list[int], tokens: list[list[int]]
-                        ) -> tuple[list[str], list[bool], list[int]]:
-        """:meth:`push`, with each row's tokens cut after the one that completes a stop string: also returns, per
-        i, how many of ``tokens[i]`` were kept."""
-        texts = [""] * self.batch_size
-        stops, kept = [False] * len(rows), [len(t) for t in tokens]
-        for i, (row, toks) in enumerate(zip(rows, tokens)):
-            texts[row], stops[i], kept[i] = self.tracker.push_until_stop(row, toks)
-        return texts, stops, kept
 
 
 @dataclass

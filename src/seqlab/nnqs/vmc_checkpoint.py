@@ -2,9 +2,10 @@
 
 One checkpoint is ``OUT/checkpoints/step_XXXXXXXX/`` with model.safetensors, optimizer.safetensors (AdamW moments
 and step count as tensors, never a pickle) and state.json (step, annealing T0, RNG state, configs, how the run
-started and its time so far, sha256 of each file), for the selected sum its space S (keys and H elements), and for L-BFGS steps the optimiser's history. The store writes it under a temporary name and
-renames it once, so a kill at any moment leaves the previous checkpoint or the new one, never a model one step
-ahead of its optimizer. Everything a step depends on is in it, so a resumed run continues bit for bit.
+started and its time so far, sha256 of each file), for the selected sum its space S (keys and H elements), and for
+L-BFGS steps the optimiser's history. The store writes it under a temporary name and renames it once, so a kill at
+any moment leaves the previous checkpoint or the new one, never a model one step ahead of its optimizer. Everything
+a step depends on is in it, so a resumed run continues bit for bit.
 """
 
 from __future__ import annotations

@@ -127,8 +127,10 @@ INIT_WEIGHTS = "init_weights.safetensors"
 
 def kept_init_weights(run_dir: str | os.PathLike | None) -> Path | None:
     """``run_dir``'s copy of its ``--init`` weights, where it has one."""
-    path = Path(run_dir) / INIT_WEIGHTS if run_dir is not None else None
-    return path if path is not None and path.is_file() else None
+    if run_dir is None:
+        return None
+    path = Path(run_dir) / INIT_WEIGHTS
+    return path if path.is_file() else None
 
 
 def initial_model(cfg: TrainConfig, mc: ModelConfig, load_folder: FolderLoader | None = None,
