@@ -143,12 +143,15 @@ def test_cli_resume_refuses_another_recipe_and_reports_the_whole_run(tmp_path):
         _cli([*argv, "--resume", "--steps", "90", "--lr", "0.05", "--estimator", "sampled", "--samples", "1000",
               "--seed", "7", "--warm-start", "none"])
     said = str(refused.value)
-    for change in ("lr: 0.002 -> 0.05", "estimator: 'auto' -> 'sampled'", "samples: 10000000000 -> 1000",
-                   "seed: 0 -> 7", "warm_start.method: 'ccsd+pt' -> 'none'", "anneal: 0.0 -> 0.07"):
+    for change in ("--lr (lr): 0.002 -> 0.05", "--estimator (estimator): 'auto' -> 'sampled'",
+                   "--samples (samples): 10000000000 -> 1000", "--seed (seed): 0 -> 7",
+                   "--warm-start (warm_start.method): 'ccsd+pt' -> 'none'"):
         assert change in said, said
     assert "steps:" not in said.replace("warm_start.steps", "")  # more steps are allowed
-    with pytest.raises(ValueError, match=r"warm_start.steps: 20 -> 30\)"):
+    with pytest.raises(ValueError, match=r"--warm-start-steps \(warm_start.steps\): 20 -> 30\)"):
         _cli([*argv, "--resume", "--steps", "3", "--warm-start-steps", "30"])
+    with pytest.raises(ValueError, match=r"--d-model \(ansatz.d_model\): 64 -> 32"):
+        _cli([*argv, "--resume", "--steps", "3", "--d-model", "32"])
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == files
     elapsed = json.loads((out / "checkpoints" / "step_00000002" / "state.json").read_text())["elapsed"]
     clock, cpu = time.perf_counter(), time.process_time()
@@ -162,6 +165,30 @@ def test_cli_resume_refuses_another_recipe_and_reports_the_whole_run(tmp_path):
     assert elapsed["vmc_s"] < r["vmc_time_s"] <= elapsed["vmc_s"] + clock
     rows = steps_of(out)
     assert [row["step"] for row in rows] == [0, 1, 2] and rows[2]["wall_time_s"] > rows[1]["wall_time_s"]
+
+
+def test_a_resume_with_other_flags_is_refused_before_the_references(tmp_path, monkeypatch):
+    """The flags are compared with the checkpoint before the SCF, CCSD and FCI (minutes on the larger molecules),
+    each named with its flag; so are the orbital count and an estimator that cannot take the local energy given."""
+    out = tmp_path / "run"
+    argv = ["--molecule", "h2", "--out", str(out), "--quiet", "--no-cc", "--warm-start-steps", "5"]
+    assert _cli([*argv, "--steps", "2"]) == 0
+
+    def no_references(*args, **kwargs):
+        raise AssertionError("the references were computed before the refusal")
+
+    monkeypatch.setattr(cli_nnqs, "prepare", no_references)
+    for flags, said in ((["--beta2", "0.9"], "--beta2 (betas): [0.9, 0.999] -> [0.9, 0.9]"),
+                        (["--layers", "1"], "--layers (ansatz.n_layers): 2 -> 1"),
+                        (["--no-cache"], "--no-cache (sampler.use_cache): True -> False"),
+                        (["--basis", "6-31g"], "another molecule or basis: (orbitals, N_alpha, N_beta) = (2, 1, 1)"),
+                        (["--estimator", "exact-sum", "--local-energy", "sample-space"],
+                         "--estimator exact-sum sums H psi exactly: it takes --local-energy exact")):
+        with pytest.raises(ValueError) as refused:
+            _cli([*argv, "--resume", "--steps", "3", *flags])
+        assert said in str(refused.value), str(refused.value)
+    with pytest.raises(AssertionError, match="references were computed"):  # the same flags pass on to the SCF
+        _cli([*argv, "--resume", "--steps", "3"])
 
 
 def test_ansatz_flags_shape_the_wavefunction_and_are_recorded(tmp_path):

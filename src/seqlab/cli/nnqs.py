@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from seqlab.cli.nnqs_flags import ansatz_of, check_flags, check_resume_flags
 from seqlab.nnqs.ansatz import AnsatzConfig
 from seqlab.nnqs.driver import RunResult, run_vmc
 from seqlab.nnqs.molecules import UNITS, get_molecule
@@ -212,38 +213,6 @@ def final_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def check_flags(args: argparse.Namespace) -> int | None:
-    """Refuse impossible numbers before any work starts; returns N_s as an integer (None: by the sector's size)."""
-    samples = None
-    if args.samples is not None:
-        samples = int(args.samples) if args.samples == args.samples and abs(args.samples) != float("inf") else 0
-        if samples != args.samples or samples < 1:
-            raise ValueError(f"--samples must be a positive integer, got {args.samples:g}")
-    for flag, value, low in (("--warmup", args.warmup, 0), ("--anneal", args.anneal, 0), ("--steps", args.steps, 1),
-                             ("--max-batch", args.max_batch, 1), ("--checkpoint-every", args.checkpoint_every, 1),
-                             ("--threads", args.threads, 1), ("--warm-start-steps", args.warm_start_steps, 0),
-                             ("--warm-start-max-configs", args.warm_start_max_configs, 1),
-                             ("--rollback-tol", args.rollback_tol, 0), ("--rollback-after", args.rollback_after, 0),
-                             ("--selected-expand", args.selected_expand, 0),
-                             ("--selected-sign-fit", args.selected_sign_fit, 0),
-                             ("--lbfgs-steps", args.lbfgs_steps, 0), ("--lbfgs-iters", args.lbfgs_iters, 1),
-                             ("--d-model", args.d_model, 1), ("--layers", args.layers, 1), ("--heads", args.heads, 1),
-                             ("--phase-hidden", args.phase_hidden, 1), ("--phase-layers", args.phase_layers, 1)):
-        if value is not None and not value >= low:  # `not >=` also catches NaN
-            raise ValueError(f"{flag} must be >= {low}, got {value}")
-    for flag, value, ok, want in (("--lr", args.lr, lambda v: v > 0, "> 0"),
-                                  ("--min-lr-ratio", args.min_lr_ratio, lambda v: 0 < v <= 1, "in (0, 1]"),
-                                  ("--phase-lr-scale", args.phase_lr_scale, lambda v: v > 0, "> 0"),
-                                  ("--beta2", args.beta2, lambda v: 0 < v < 1, "in (0, 1)")):
-        if value is not None and not ok(value):
-            raise ValueError(f"{flag} must be {want}, got {value}")
-    if not 0 <= args.exact_tail < 1:
-        raise ValueError(f"--exact-tail must be in [0, 1), got {args.exact_tail}")
-    if not args.exact_max_configs >= 1:
-        raise ValueError(f"--exact-max-configs must be >= 1, got {args.exact_max_configs}")
-    return samples
-
-
 def fill_recipe(args: argparse.Namespace, recipe: Recipe) -> None:
     """Optimiser flags left out take the values that go with the start actually made (``nnqs.recipe``)."""
     for name in ("lr", "warmup", "anneal", "min_lr_ratio", "phase_lr_scale", "beta2", "rollback_tol",
@@ -295,7 +264,8 @@ def run(args: argparse.Namespace) -> int:
     samples = check_flags(args)
     mol = get_molecule(args.molecule, args.atom, args.basis, args.charge, args.spin, xyz=args.xyz, unit=args.unit)
     pmol = build_pyscf(mol)  # the basis, no SCF yet: the orbital count, so the sector's size, is known here
-    check_exact_sum_fits(args.estimator, n_configurations(pmol.nao, mol.n_alpha, mol.n_beta), "--estimator")
+    n_conf = n_configurations(pmol.nao, mol.n_alpha, mol.n_beta)
+    check_exact_sum_fits(args.estimator, n_conf, "--estimator")
     out = Path(args.out or os.path.join("runs", f"nnqs-{mol.name.lower()}"))
     if args.resume and args.overwrite:
         raise ValueError("--resume and --overwrite contradict each other: continue the run in --out, or replace it")
@@ -304,6 +274,8 @@ def run(args: argparse.Namespace) -> int:
         ensure_writable_dir(args.tensorboard, "--tensorboard")
     if not args.overwrite:  # (with --overwrite the main rank moves an old run aside below)
         check_new_run(out, args.resume)
+    if args.resume:  # the flags against the checkpoint now, not after minutes of references
+        check_resume_flags(args, out, pmol.nao, mol.n_alpha, mol.n_beta, n_conf)
     dist = init_distributed(backend="gloo", device="cpu")  # seqlab.nnqs runs on CPU
     set_cpu_threads(args.threads, dist)
     # a step makes and frees the same large tensors (psi, H psi and the activations over S) every time; glibc's
@@ -319,7 +291,6 @@ def run(args: argparse.Namespace) -> int:
         system = prepare(mol, fci=not args.no_fci, cc=not args.no_cc, pmol=pmol)
         t_ref = time.perf_counter() - t0
         refs, ham = system.references, system.hamiltonian
-        n_conf = n_configurations(ham.n_orb, ham.n_alpha, ham.n_beta)
         selected_sum = takes_selected_sum(args.estimator, args.local_energy, n_conf, VMCConfig.sector_max)
         if args.warm_start_max_configs is None:
             args.warm_start_max_configs = SELECTED_SUM_FIT_CONFIGS if selected_sum else MAX_FIT_CONFIGS
@@ -345,8 +316,7 @@ def run(args: argparse.Namespace) -> int:
                         selected_sign_fit=args.selected_sign_fit, lbfgs_steps=args.lbfgs_steps,
                         lbfgs_iters=args.lbfgs_iters,
                         sampler=SamplerConfig(use_cache=not args.no_cache, max_batch=args.max_batch))
-        ansatz = AnsatzConfig(d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                              phase_hidden=args.phase_hidden, phase_layers=args.phase_layers)
+        ansatz = ansatz_of(args)
         bar = progress_bar(total=args.steps, desc=f"nnqs {mol.name}", unit="step",
                            enabled=dist.is_main and not args.quiet)
         for note in refs.notes if dist.is_main and not args.quiet else ():

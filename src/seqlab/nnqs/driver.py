@@ -104,7 +104,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
     vmc_state, start_state = vmc_settings(cfg), start_settings(warm_start, warm_start_cfg)
     if checkpoint is not None:
         saved = store.read_state(checkpoint)
-        check_same_run(checkpoint / "state.json", saved, vmc_state, start_state)
+        check_same_run(checkpoint / "state.json", saved, vmc_state, start_state, asdict(wf.cfg))
         start_step, t0, restored = load_checkpoint(store, checkpoint, wf, opt, guard, ham, selected, lbfgs)
         if start_step > cfg.steps:  # fewer steps than it ran: say so rather than rewrite its result with fewer
             raise ValueError(f"VMCConfig.steps={cfg.steps}: the run already holds {start_step} steps; resume with "

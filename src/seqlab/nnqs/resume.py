@@ -25,6 +25,19 @@ from seqlab.runtime.errors import CheckpointError
 # re-stretched over the new count, as documented) and where checkpoints fall
 RESUME_MUTABLE = frozenset({"steps", "checkpoint_every", "keep_last"})
 CLOCKS = ("wall_s", "cpu_s", "vmc_s")  # the whole invocation's wall and CPU time, and the time inside run_vmc
+# the ``seqlab nnqs`` flag behind each recorded setting, so a refusal names what the user typed as well as the field
+FLAGS = {"samples": "--samples", "samples_final": "--samples-final", "lr": "--lr", "warmup": "--warmup",
+         "min_lr_ratio": "--min-lr-ratio", "phase_lr_scale": "--phase-lr-scale", "betas": "--beta2",
+         "local_energy": "--local-energy", "estimator": "--estimator", "exact_tail": "--exact-tail",
+         "exact_max_configs": "--exact-max-configs", "selected_expand": "--selected-expand",
+         "selected_pin_warm_start": "--pin-warm-start", "selected_sign_fit": "--selected-sign-fit",
+         "lbfgs_steps": "--lbfgs-steps", "lbfgs_iters": "--lbfgs-iters", "anneal": "--anneal", "sr": "--sr",
+         "seed": "--seed", "rollback_tol_mha": "--rollback-tol", "rollback_after": "--rollback-after",
+         "sampler.use_cache": "--no-cache", "sampler.max_batch": "--max-batch", "warm_start.method": "--warm-start",
+         "warm_start.n_configs": "--warm-start-max-configs", "warm_start.steps": "--warm-start-steps",
+         "warm_start.phase_weight": "--warm-start-phase-weight", "ansatz.d_model": "--d-model",
+         "ansatz.n_layers": "--layers", "ansatz.n_heads": "--heads", "ansatz.phase_hidden": "--phase-hidden",
+         "ansatz.phase_layers": "--phase-layers"}
 
 
 def vmc_settings(cfg: VMCConfig) -> dict[str, Any]:
@@ -51,19 +64,23 @@ def _flat(prefix: str, settings: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def check_same_run(where: Path, saved: dict[str, Any], vmc: dict[str, Any], start: dict[str, Any]) -> None:
+def check_same_run(where: Path, saved: dict[str, Any], vmc: dict[str, Any], start: dict[str, Any],
+                   ansatz: dict[str, Any] | None = None) -> None:
     """Refuse to resume the checkpoint whose state.json is ``saved`` (at ``where``) with other settings than it
-    recorded, naming every changed field (``old -> new``). ``lbfgs_steps`` may change with ``steps`` as long as the
-    L-BFGS steps begin at the same step (the CLI's default: all of them). Fields a checkpoint of an earlier version
-    did not record are not compared."""
-    old = {**_flat("", saved.get("vmc", {})), **_flat("warm_start.", saved.get("start", {}))}
-    new = {**_flat("", vmc), **_flat("warm_start.", start)}
+    recorded, naming every changed field with its flag (``--flag (field): old -> new``). ``lbfgs_steps`` may change
+    with ``steps`` as long as the L-BFGS steps begin at the same step (the CLI's default: all of them). Only the
+    fields given are compared, so the CLI checks the flags it can before any molecule is built; fields a checkpoint
+    of an earlier version did not record are not compared either."""
+    old = {**_flat("", saved.get("vmc", {})), **_flat("warm_start.", saved.get("start", {})),
+           **_flat("ansatz.", saved.get("ansatz") or {})}
+    new = {**_flat("", vmc), **_flat("warm_start.", start), **_flat("ansatz.", ansatz or {})}
     changed = [k for k in new if k in old and old[k] != new[k] and k not in RESUME_MUTABLE]
-    if "lbfgs_steps" in changed and {"steps", "lbfgs_steps"} <= old.keys() and (
+    if "lbfgs_steps" in changed and {"steps", "lbfgs_steps"} <= old.keys() and "steps" in new and (
             old["steps"] - old["lbfgs_steps"] == new["steps"] - new["lbfgs_steps"]):
         changed.remove("lbfgs_steps")
     if changed:
-        detail = ", ".join(f"{k}: {old[k]!r} -> {new[k]!r}" for k in changed)
+        detail = ", ".join(f"{FLAGS[k] + ' (' + k + ')' if k in FLAGS else k}: {old[k]!r} -> {new[k]!r}"
+                           for k in changed)
         raise CheckpointError(f"{where}: cannot resume, the run's settings changed ({detail}); resume with the "
                               f"options it was started with, or start a new run with another --out")
 
