@@ -6,6 +6,9 @@ import warnings
 import pytest
 
 from seqlab.data import DataError, build_dataset
+from seqlab.data.byte_tokenizer import byte_backend
+from seqlab.data.tokenizer import Tokenizer
+from seqlab.objectives import build_objective
 from seqlab.data.readers import read_documents, read_jsonl, read_preferences, read_seq2seq, read_sft
 from tests.objectives.helpers import TOK
 
@@ -142,3 +145,18 @@ def test_cut_examples_are_counted_and_answerless_sft_rows_left_out(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing cut, nothing said
         build_dataset("seq2seq", pairs, TOK, 64, "all")
+
+
+def test_one_token_between_documents_where_bos_is_eos(tmp_path):
+    """A GPT-2-style tokenizer (BOS and EOS both <|endoftext|>): one separator between documents, as at inference,
+    so no document is preceded by two and no free target is scored; the first document still starts with it."""
+    tok = Tokenizer.from_backend(byte_backend(["<|endoftext|>"]), name="gpt2-like")
+    assert tok.bos_id == tok.eos_id
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["ab", "cd", "ef", "gh"] * 5))
+    row = build_dataset("clm", str(data), tok, seq_len=12, split="train")[0]
+    end = tok.eos_id
+    assert row[:7] == [end, *tok.encode("ab"), end, *tok.encode("cd"), end]
+    obj = build_objective("clm", tok)
+    targets = obj.targets(obj.collate([row]))[0].tolist()
+    assert targets[:6] == [*tok.encode("ab"), end, *tok.encode("cd"), end]

@@ -1,8 +1,8 @@
 """What ``seqlab nnqs`` refuses in its flags before the SCF: impossible values, and a ``--resume``
 whose flags differ from its checkpoint's.
 
-Why the second: the references (SCF, CCSD, FCI) and the warm-start target come before the driver's own comparison of the run's
-settings (``nnqs.resume.check_same_run``), and on the larger molecules they take minutes. The flags fix most of the
+Why the second: the references (SCF, CCSD, FCI) and the warm-start target come before the driver's own comparison
+of the run's settings (``nnqs.resume.check_same_run``), and on the larger molecules they take minutes. The flags fix most of the
 settings by themselves, so a resume whose flags differ from its checkpoint's is refused here, at once, in the same
 words; the settings that follow from the references (the warm start actually made, and the recipe's values for the
 flags left out) are still compared by the driver.

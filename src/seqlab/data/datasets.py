@@ -103,13 +103,18 @@ def token_stream(docs: Sequence[str], tokenizer: Any, bos: bool = False) -> torc
 
     Why BOS for CLM: generation, perplexity and the HF export start every prompt of a seqlab checkpoint with BOS,
     so training must show the model BOS before each document (as ``--pack`` does), or its first input at inference
-    is a token it never saw. MLM rows add their own BOS and EOS around each window.
+    is a token it never saw. MLM rows add their own BOS and EOS around each window. Where BOS is EOS (GPT-2's
+    ``<|endoftext|>``) one token ends a document and starts the next, as at inference: only the first document gets
+    its own, or every later one would follow two, and the second would be scored as a free target.
     """
     eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     start = [tokenizer.bos_id] if bos and tokenizer.bos_id is not None else []
+    first = start
+    if start == eos:
+        start = []
     # via numpy: torch.tensor(list) is ~10x slower on multi-million-token lists
-    parts = [torch.from_numpy(np.array(start + enc + eos, dtype=np.int64))
-             for enc in tokenizer.encode_batch(list(docs))]
+    parts = [torch.from_numpy(np.array((first if i == 0 else start) + enc + eos, dtype=np.int64))
+             for i, enc in enumerate(tokenizer.encode_batch(list(docs)))]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 

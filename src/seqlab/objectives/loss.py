@@ -41,13 +41,19 @@ class RowCrossEntropy(Protocol):
 @dataclass
 class ObjectiveOutput:
     """``loss_sum``: scalar tensor, summed over this batch's ``n_targets`` valid targets (nats for token losses,
-    summed per-pair losses for DPO). ``metrics``: floats *averaged over this batch* (weight them by ``n_targets``
-    to combine batches). ``n_bytes``: UTF-8 bytes the scored targets stand for, when meaningful (bits per byte)."""
+    summed per-pair losses for DPO). ``metrics``: floats *averaged over this batch*; to combine batches weight
+    each by its entry in ``metric_weights`` (a per-sequence metric: the rows), else by ``n_targets``. ``n_bytes``:
+    UTF-8 bytes the scored targets stand for, when meaningful (bits per byte)."""
 
     loss_sum: Tensor
     n_targets: int
     metrics: dict[str, float] = field(default_factory=dict)
     n_bytes: int | None = None
+    metric_weights: dict[str, int] = field(default_factory=dict)
+
+    def weight(self, name: str) -> int:
+        """What ``metrics[name]`` is a mean over in this batch."""
+        return self.metric_weights.get(name, self.n_targets)
 
     @property
     def loss(self) -> Tensor:

@@ -240,6 +240,7 @@ class Trainer:
         scale = self.dist.world_size / n_targets
         loss_sum = torch.zeros((), dtype=torch.float64, device=coll)
         metric_sums: dict[str, float] = {}
+        metric_weights: dict[str, int] = {}
         for j, batch in enumerate(micro):
             with set_grad_sync(self.model, j == len(micro) - 1):
                 with self.precision.autocast():
@@ -248,7 +249,8 @@ class Trainer:
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             loss_sum += out.loss_sum.detach().to(loss_sum.device, torch.float64)
             for k, v in (out.metrics or {}).items():
-                metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * out.n_targets
+                metric_sums[k] = metric_sums.get(k, 0.0) + float(v) * out.weight(k)
+                metric_weights[k] = metric_weights.get(k, 0) + out.weight(k)
         if self.fsdp:
             set_grad_sync(self.model, True)
         D.all_reduce_sum(loss_sum, self.dist)
@@ -275,7 +277,7 @@ class Trainer:
         record = {"step": self.step, "loss": step_loss, "lr": lr, "grad_norm": float(grad_norm),
                   "n_targets": int(n_targets), "step_tokens": n_tokens}
         if metric_sums and not self.dist.active:
-            record.update({k: v / max(n_targets, 1) for k, v in metric_sums.items()})
+            record.update({k: v / max(metric_weights[k], 1) for k, v in metric_sums.items()})
         return record
 
     def _last_good(self) -> str:
