@@ -2,12 +2,16 @@
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
+from tokenizers import AddedToken, Tokenizer as Backend, decoders, models, pre_tokenizers
 
+from seqlab import ModelConfig, build_model
 from seqlab.data import ByteTokenizer, Tokenizer, build_tokenizer, load_corpus, load_tokenizer, train_bpe
 from seqlab.data.tokenizers import CHATML_TEMPLATE, SPECIAL_TOKENS
+from seqlab.eval.perplexity import score_text
 
 TEXT = "Où est la reine? — «Je suis là», dit-elle. 日本語 😀\n<|im_start|>user\nhi<|im_end|>"
 
@@ -157,3 +161,33 @@ def test_docs_standard_files_snippet_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(snippet, "bring-your-own-model.md", "exec"), {})
     assert (tmp_path / "tok" / "tokenizer_config.json").is_file()
+
+
+def _sentencepiece_like(tmp_path) -> Tokenizer:
+    """A Llama-2-style unigram vocabulary (Metaspace, '▁' pieces), saved and read as an HF folder's file is."""
+    pieces = ["<unk>", "<s>", "</s>", "\u2581caf", "é", "\u2581ol", "\u2581ni", "ño", "\u2581", "ción", "<0xC3>"]
+    backend = Backend(models.Unigram([(p, -1.0) for p in pieces], unk_id=0, byte_fallback=False))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(prepend_scheme="first")
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<unk>", "<s>", "</s>")])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    return Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+
+
+def test_sentencepiece_pieces_count_their_own_utf8_bytes(tmp_path):
+    """'é' or 'ño' is spelled in GPT-2's byte alphabet, yet in a SentencePiece vocabulary it is text of 2 or 3
+    bytes, not one byte per character; '▁' is a space and a byte-fallback piece one byte."""
+    tok = _sentencepiece_like(tmp_path)
+    table = tok.byte_lengths()
+    for piece, n in (("\u2581caf", 4), ("é", 2), ("ño", 3), ("ción", 5), ("\u2581", 1), ("<0xC3>", 1), ("<s>", 0)):
+        assert table[tok.backend.token_to_id(piece)] == n, piece
+
+
+def test_bits_per_byte_divides_by_the_texts_own_bytes(tmp_path):
+    """score_text's byte count is the text's UTF-8 length, whatever '▁' the tokenizer puts before the first word."""
+    tok = _sentencepiece_like(tmp_path)
+    text = "café olé niño"
+    model = build_model(ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=1, n_heads=2, max_seq_len=32))
+    score = score_text(model, tok, text)
+    assert score.bytes == len(text.encode("utf-8")) == 16
+    assert abs(score.bits_per_byte - score.nll / math.log(2) / 16) < 1e-9

@@ -75,6 +75,22 @@ def id_list(ids: Iterable[int]) -> list[int]:
     return out
 
 
+def _names_type(node: Any, name: str) -> bool:
+    """Whether a tokenizer.json component (or a Sequence of them) is, or holds, one of type ``name``."""
+    if isinstance(node, dict):
+        return node.get("type") == name or any(_names_type(v, name) for v in node.values())
+    if isinstance(node, list):
+        return any(_names_type(v, name) for v in node)
+    return False
+
+
+def _wordpiece_prefix(decoder: Any) -> str:
+    """The continuation prefix ('##') of a WordPiece decoder; '' for any other."""
+    if isinstance(decoder, dict) and decoder.get("type") == "WordPiece":
+        return str(decoder.get("prefix", "##"))
+    return ""
+
+
 class TokenizerError(ValueError):
     """The tokenizer description is missing or inconsistent (the message names the file and key)."""
 
@@ -291,9 +307,15 @@ class Tokenizer:
         return ids, mask
 
     def byte_lengths(self) -> list[int]:
-        """UTF-8 bytes per id (0 for specials). Exact for byte-level BPE; for SentencePiece-style vocabularies '▁'
-        counts as a space and ``<0xNN>`` byte-fallback pieces as one byte."""
+        """UTF-8 bytes per id (0 for specials). Exact for byte-level BPE (each character of a piece stands for one
+        byte). Otherwise (SentencePiece, WordPiece) a piece is its own text: '▁' counts as a space, ``<0xNN>``
+        byte-fallback pieces as one byte and WordPiece's '##' as nothing. Which kind a vocabulary is comes from its
+        decoder and pre-tokenizer, never from a piece's characters: 'é' or 'ñ' alone is a SentencePiece piece of two
+        bytes that happens to be spelled in GPT-2's byte alphabet."""
         if self._byte_lengths is None:
+            spec = json.loads(self.backend.to_str())
+            byte_level = any(_names_type(spec.get(part), "ByteLevel") for part in ("decoder", "pre_tokenizer"))
+            prefix = _wordpiece_prefix(spec.get("decoder"))
             table = set(bytes_to_unicode().values())
             specials = self.special_ids
             out = []
@@ -301,11 +323,13 @@ class Tokenizer:
                 piece = self.backend.id_to_token(i)
                 if piece is None or i in specials:
                     out.append(0)
-                elif all(c in table for c in piece):
+                elif byte_level and all(c in table for c in piece):
                     out.append(len(piece))  # every char is one byte's alias
                 elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
                     out.append(1)
                 else:
+                    if prefix and piece.startswith(prefix) and len(piece) > len(prefix):
+                        piece = piece[len(prefix):]
                     out.append(len(piece.replace("\u2581", " ").encode("utf-8")))
             self._byte_lengths = out
         return self._byte_lengths

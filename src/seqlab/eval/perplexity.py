@@ -4,7 +4,9 @@ Why a sliding window: a text longer than the context cannot be scored in one pas
 chunks scores each chunk's first tokens with no context at all, which inflates perplexity. Here every token is
 scored once, predicted from at least ``window - stride`` tokens of context (all it has, near the start). With a
 BOS token every text token is scored; without one, the first token has no prediction and is left out of both
-the token and byte counts. Bytes come from the tokenizer's per-token byte lengths (see :mod:`seqlab.eval.metrics`).
+the token and byte counts. With every text token scored the bytes are the text's own UTF-8 bytes; without BOS the
+first token's bytes (the tokenizer's per-token byte lengths, :mod:`seqlab.eval.metrics`) are taken off them. The text
+is the measure, not its pieces: a SentencePiece tokenizer puts a '▁' before the first word that is not in the text.
 """
 from __future__ import annotations
 
@@ -74,7 +76,8 @@ def score_text(model: torch.nn.Module, tok: Tokenizer, text: str, window: int | 
         raise ValueError("the text is too short to score (fewer than two tokens)")
     model.eval()
     nll, scored = sliding_window_nll(model, ids, window, stride)
-    lengths = tok.byte_lengths()
-    n_bytes = sum(lengths[ids[p]] for p in scored)
+    n_bytes = len(text.encode("utf-8"))
+    if bos is None:  # the first text token is context only
+        n_bytes = max(n_bytes - tok.byte_lengths()[ids[0]], 0)
     return TextScore(perplexity(nll, len(scored)), bits_per_byte(nll, n_bytes), len(scored), n_bytes, nll,
                      window, stride)
