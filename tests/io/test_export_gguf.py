@@ -8,11 +8,13 @@ to exactly what ``gguf.quants`` made of the (rope-permuted) source values.
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer as Backend, pre_tokenizers
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 from seqlab import ModelConfig, build_model  # noqa: E402
+from seqlab.data.tokenizer import Tokenizer  # noqa: E402
 from seqlab.data.tokenizers import ByteTokenizer, train_bpe  # noqa: E402
 from seqlab.generate import generate  # noqa: E402
 from seqlab.io import load_gguf  # noqa: E402
@@ -126,6 +128,29 @@ def test_byte_tokenizer_round_trips(tmp_path):
     assert GGUFFile(path).metadata["tokenizer.ggml.merges"] == []
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="b.gguf")
     assert hf_tok("héllo").input_ids == [tok.bos_id] + tok.encode("héllo")
+
+
+def _split_by(tok, pre_tokenizer) -> Tokenizer:
+    backend = Backend.from_str(tok.backend.to_str())
+    backend.pre_tokenizer = pre_tokenizer
+    return Tokenizer(backend, bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id, name="split")
+
+
+def test_the_pre_tokenizer_travels_or_the_export_is_refused(tmp_path, bpe):
+    """SmolLM2's split (every digit its own piece) is written as "smollm", so the file read back splits numbers the
+    same way; a split llama.cpp has no name for is refused, since a reader would tokenize differently."""
+    digits = _split_by(bpe, pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                     pre_tokenizers.ByteLevel(add_prefix_space=False)]))
+    path = export_gguf(_model(bpe.vocab_size), tmp_path / "d.gguf", digits, weight_type="f32")
+    assert GGUFFile(path).metadata["tokenizer.ggml.pre"] == "smollm"
+    assert export_gguf(_model(bpe.vocab_size), tmp_path / "g.gguf", bpe).name == "g.gguf"
+    assert GGUFFile(tmp_path / "g.gguf").metadata["tokenizer.ggml.pre"] == "gpt2"
+    text = "hello 12345 numbers, 3 foxes"
+    assert load_gguf(path)[1].encode(text) == digits.encode(text) != bpe.encode(text)
+    words = _split_by(bpe, pre_tokenizers.Whitespace())
+    with pytest.raises(ExportError, match="pre-tokenizer splits text like none of llama.cpp's"):
+        export_gguf(_model(bpe.vocab_size), tmp_path / "w.gguf", words)
+    assert not (tmp_path / "w.gguf").exists()
 
 
 def test_explicit_head_dim_exports_as_llama_with_key_length(tmp_path, bpe):

@@ -3,8 +3,8 @@
 The inverse of :mod:`seqlab.io.gguf`: seqlab -> HF names (:func:`seqlab.io.export_hf.to_hf`) -> GGUF names
 (:mod:`seqlab.io.gguf_arch`). The architecture is the one the HF export would name (``llama``; ``qwen2`` when only
 q/k/v have biases; ``qwen3`` with q/k norms), written with that architecture's metadata (sizes, head size, rope
-base, norm epsilon) plus the tokenizer as byte-level BPE (``tokenizer.ggml.model = gpt2``: tokens, types, merges,
-special ids, chat template). Only for ``llama`` are the Q/K rows permuted into llama.cpp's interleaved-pair rotary
+base, norm epsilon) plus the tokenizer as byte-level BPE (``tokenizer.ggml.model = gpt2``, ``pre`` the split it
+makes: tokens, types, merges, special ids, chat template). Only for ``llama`` are the Q/K rows permuted into llama.cpp's interleaved-pair rotary
 order; qwen2/qwen3 keep HF's rotate-half rows, as llama.cpp's converter does.
 
 Weights: ``f32``; ``f16``; ``q8_0``, ``q4_0``, ``q4_1`` through ``gguf.quants.quantize`` (llama.cpp's own block
@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from seqlab.io.export_hf import ExportError, llama_model_type, to_hf
 from seqlab.io.gguf_arch import ARCHITECTURES, GGUFArch, gguf_name, rope_permutation
+from seqlab.io.tokenizer import GGUF_PRE_TOKENIZERS, gguf_pre_name
 from seqlab.runtime.files import atomic_path
 
 __all__ = ["WEIGHT_TYPES", "check_exportable", "export_gguf", "gguf_architecture", "gguf_name", "rope_permutation",
@@ -70,7 +71,13 @@ def tokenizer_metadata(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
     tokens = [backend.id_to_token(i) for i in range(n)] + [f"[PAD{i}]" for i in range(n, vocab_size)]
     types = [_CONTROL if i in special else _NORMAL for i in range(n)] + [_UNUSED] * (vocab_size - n)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    meta = {"tokens": tokens, "types": types, "merges": merges, "chat_template": tokenizer.chat_template}
+    pre = gguf_pre_name(backend)
+    if pre is None and merges:  # without merges every byte is its own token, however the text is split
+        raise ExportError("cannot export the tokenizer to GGUF: its pre-tokenizer splits text like none of "
+                          f"llama.cpp's that seqlab knows ({', '.join(sorted(GGUF_PRE_TOKENIZERS))}), so a GGUF "
+                          "reader would tokenize differently; export to a Hugging Face folder instead")
+    meta = {"tokens": tokens, "types": types, "merges": merges, "chat_template": tokenizer.chat_template,
+            "pre": pre or "gpt2"}
     meta.update(bos=tokenizer.bos_id, eos=tokenizer.eos_id, pad=tokenizer.pad_id)
     return meta
 
@@ -167,7 +174,7 @@ def _write_metadata(writer, cfg, arch: GGUFArch, tokenizer, weight_type: str, na
         return
     meta = tokenizer_metadata(tokenizer, cfg.vocab_size)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")
+    writer.add_tokenizer_pre(meta["pre"])
     writer.add_token_list(meta["tokens"])
     writer.add_token_types(meta["types"])
     gguf = _import_gguf()

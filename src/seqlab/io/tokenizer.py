@@ -7,6 +7,7 @@ along. Parsing model files is the edge's job (io/); the Tokenizer class itself l
 
 from __future__ import annotations
 
+import json
 import warnings
 from typing import Any, Mapping
 
@@ -15,7 +16,7 @@ from tokenizers import Tokenizer as Backend
 
 from seqlab.data.tokenizer import Tokenizer, TokenizerError, bytes_to_unicode, special_post_processor
 
-__all__ = ["GGUF_PRE_TOKENIZERS", "tokenizer_from_gguf"]
+__all__ = ["GGUF_PRE_TOKENIZERS", "gguf_pre_name", "tokenizer_from_gguf"]
 
 # GGUF token types (llama.cpp's llama_token_type)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -61,6 +62,31 @@ GGUF_PRE_TOKENIZERS = {
     "smaug-bpe": _regex_pre(_LLAMA3_SPLIT),
     "qwen2": _regex_pre(_QWEN2_SPLIT),
 }
+
+
+def _splitting(pre_tokenizer: Any) -> Any:
+    """A pre-tokenizer's tokenizer.json form without ``trim_offsets``, which moves offsets, never a split."""
+    if isinstance(pre_tokenizer, dict):
+        return {k: _splitting(v) for k, v in pre_tokenizer.items() if k != "trim_offsets"}
+    if isinstance(pre_tokenizer, list):
+        return [_splitting(v) for v in pre_tokenizer]
+    return pre_tokenizer
+
+
+def _spec_of(build) -> Any:
+    probe = Backend(models.BPE())
+    probe.pre_tokenizer = build()
+    return _splitting(json.loads(probe.to_str())["pre_tokenizer"])
+
+
+def gguf_pre_name(backend: Backend) -> str | None:
+    """The ``tokenizer.ggml.pre`` that splits text as ``backend``'s pre-tokenizer does (the first of equivalent
+    names, "gpt2" before "default"), or None when llama.cpp knows none that seqlab does. A GGUF file read back
+    splits by that name, so writing another would tokenize the same text differently (SmolLM2's "smollm" keeps
+    every digit apart; GPT-2's split does not)."""
+    spec = _splitting(json.loads(backend.to_str()).get("pre_tokenizer"))
+    names = [n for n in GGUF_PRE_TOKENIZERS if n != "default"] + ["default"]
+    return next((name for name in names if _spec_of(GGUF_PRE_TOKENIZERS[name]) == spec), None)
 
 
 def tokenizer_from_gguf(metadata: Mapping[str, Any], source: str = "<gguf>") -> Tokenizer:
