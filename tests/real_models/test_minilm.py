@@ -111,3 +111,31 @@ def test_quantised_minilm_embeds_like_the_float_one(minilm_dir, embedder, tmp_pa
     ref = sentence_embeddings(model, tok, SENTENCES[:4], max_length=max_length)
     cos = (quantised * ref).sum(1)
     assert cos.min() > 0.99 and not torch.allclose(quantised, ref, atol=1e-6)
+
+
+def test_a_bare_bert_exports_as_the_encoder_it_is(minilm_dir, embedder, tmp_path, capsys):
+    """MiniLM has no MLM head; `seqlab export --format hf` writes it as the BertModel it came as (no random
+    cls.* weights posing as a fill-mask head), which transformers and seqlab both read back to the same vectors."""
+    from safetensors import safe_open
+    from transformers import AutoModel
+
+    from seqlab.cli import main
+
+    out = tmp_path / "hf"
+    assert main(["export", str(minilm_dir), "--format", "hf", "--out", str(out)]) == 0
+    assert "no MLM head" in capsys.readouterr().err
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["BertModel"]
+    with safe_open(out / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    with safe_open(minilm_dir / "model.safetensors", "pt") as f:  # all but its pooler (seqlab pools by the mean)
+        assert names == set(f.keys()) - {"pooler.dense.weight", "pooler.dense.bias", "embeddings.position_ids"}
+    model, tok, max_length = embedder
+    ref = sentence_embeddings(model, tok, SENTENCES[:3], max_length=max_length)
+    again = sentence_embeddings(*load_embedder(out)[:2], SENTENCES[:3], max_length=max_length)
+    torch.testing.assert_close(again, ref, rtol=0, atol=1e-6)
+    hf = AutoModel.from_pretrained(out).eval()
+    batch = tok.pad([tok.encode(SENTENCES[0], add_special_tokens=True)])
+    with torch.no_grad():
+        hidden = hf(input_ids=batch[0], attention_mask=batch[1]).last_hidden_state
+    pooled = F.normalize(hidden.mean(1), dim=-1)[0]
+    torch.testing.assert_close(pooled, ref[0], rtol=0, atol=1e-5)

@@ -19,7 +19,7 @@ from seqlab.config import ModelConfig
 from seqlab.data.tokenizers import load_tokenizer
 from seqlab.io.checkpoint import FORMAT, load_pretrained, read_config_json, resolve_checkpoint
 from seqlab.io.export_gguf import WEIGHT_TYPES, check_exportable as check_gguf, export_gguf
-from seqlab.io.export_hf import export_hf, hf_family
+from seqlab.io.export_hf import bare_encoder, export_hf, hf_family
 from seqlab.io.hf import config_from_hf
 from seqlab.runtime.files import check_writable_file
 
@@ -104,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "hf":
         eot = tokenizer.eot_id if tokenizer is not None else None
         out = export_hf(model, args.out, eot_id=eot if eot != model.config.eos_token_id else None)
+        if bare_encoder(model.config):
+            print(f"seqlab export: note: {model_dir} has no MLM head (a bare BertModel); exported the encoder alone, "
+                  "as BertModel", file=sys.stderr)
         if tokenizer is not None:
             tokenizer.save_pretrained(out, model_max_length=model.config.max_seq_len)
     else:

@@ -195,9 +195,16 @@ def _bart_family(cfg: ModelConfig) -> str:
     return family
 
 
+def bare_encoder(cfg: ModelConfig) -> bool:
+    """Whether the MLM head was never loaded (``io.hf.load_hf`` of a bare ``BertModel``): its weights are random, so
+    the export is the encoder alone, as the source was, not a ``BertForMaskedLM`` whose fill-mask is noise."""
+    return any(k.startswith("lm_head.") for k in cfg.extra.get("uninitialised", ()))
+
+
 def bert_hf_config(cfg: ModelConfig, model_type: str) -> dict:
     return {
-        "architectures": ["BertForMaskedLM"], "model_type": "bert", "vocab_size": cfg.vocab_size,
+        "architectures": ["BertModel" if bare_encoder(cfg) else "BertForMaskedLM"], "model_type": "bert",
+        "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "intermediate_size": cfg.d_ff, "hidden_act": _BERT_ACT[cfg.activation], "layer_norm_eps": cfg.norm_eps,
         "max_position_embeddings": cfg.max_seq_len, "type_vocab_size": max(cfg.type_vocab_size, 1),
@@ -221,6 +228,8 @@ def bert_hf_weights(cfg: ModelConfig, sd: dict, model_type: str) -> dict[str, Te
         _linear_out(out, f"{h}.intermediate.dense", sd, f"{b}.mlp.up")
         _linear_out(out, f"{h}.output.dense", sd, f"{b}.mlp.down")
         _norm_out(out, f"{h}.output.LayerNorm", sd, f"{b}.mlp_norm")
+    if bare_encoder(cfg):  # BertModel's own names, as in the folder it came from
+        return {k.removeprefix("bert."): v for k, v in out.items()}
     _linear_out(out, "cls.predictions.transform.dense", sd, "lm_head.transform.0")
     _norm_out(out, "cls.predictions.transform.LayerNorm", sd, "lm_head.transform.2")
     out["cls.predictions.decoder.weight"] = sd["lm_head.proj.weight"]
