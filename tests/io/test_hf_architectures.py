@@ -7,6 +7,8 @@ greedy continuations equal where HF's top-2 margin is clear of the tolerance, an
 to recomputing the whole sequence.
 """
 
+import json
+
 import pytest
 import torch
 
@@ -120,4 +122,19 @@ def test_mistral_sliding_window_is_refused(tmp_path):
     hf = _randomised(transformers.MistralForCausalLM, transformers.MistralConfig(**SMALL, sliding_window=16))
     hf.save_pretrained(tmp_path)
     with pytest.raises(CheckpointError, match="sliding_window=16"):
+        load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("keys", [{"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+                                  {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+                                   "rope_scaling": {"rope_type": "linear", "factor": 4.0}},
+                                  {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}}])
+def test_rope_scaling_is_refused_wherever_the_config_puts_it(tmp_path, keys):
+    """transformers applies a scaling under either key (a stretched context, logits off by whole units); seqlab has
+    none, so it refuses the folder rather than read the default beside it and run unscaled."""
+    hf = _randomised(transformers.LlamaForCausalLM, transformers.LlamaConfig(**SMALL))
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **keys}))
+    with pytest.raises(CheckpointError, match="rope scaling '(linear|yarn)'"):
         load_hf(tmp_path)

@@ -121,9 +121,10 @@ def llama_config(hf: dict) -> ModelConfig:
     d, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // n_heads
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in (None, "default"):
-        raise CheckpointError(f"{model_type} rope scaling {rope_type!r} is not supported")
+    for key in ("rope_parameters", "rope_scaling"):  # transformers applies either; a scaling in one is not ignored
+        rope_type = (hf.get(key) or {}).get("rope_type", (hf.get(key) or {}).get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise CheckpointError(f"{model_type} rope scaling {rope_type!r} ({key}) is not supported")
     theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{model_type} hidden_act={hf['hidden_act']!r} is not supported (expected silu)")
