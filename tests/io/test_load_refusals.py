@@ -100,6 +100,44 @@ def test_gguf_with_nan_data_is_refused(tmp_path, capsys):
     assert "non-finite" in capsys.readouterr().err
 
 
+def _u32_after(data: bytes, key: str) -> int:
+    """Where the u32 value of metadata ``key`` starts (after its u32 value type)."""
+    return data.index(key.encode()) + len(key) + 4
+
+
+def _offset_of(data: bytes, tensor: str, n_dims: int = 2) -> int:
+    """Where tensor ``tensor``'s u64 data offset starts in the tensor table (after n_dims, dims and type)."""
+    return data.index(tensor.encode() + n_dims.to_bytes(4, "little")) + len(tensor) + 4 + 8 * n_dims + 4
+
+
+@pytest.mark.parametrize("what", ["kv_heads", "bos", "misaligned", "overlap"])
+def test_malformed_gguf_metadata_is_refused_in_one_line(tmp_path, capsys, what):
+    """A zero KV-head count, a BOS id past the vocabulary (with the BOS rule on), a tensor offset off the file's
+    alignment (which would read every weight shifted) and two tensors over the same bytes: each a GGUF or tokenizer
+    error, exit 2."""
+    path = tmp_path / "bad.gguf"
+    write_tiny_llama(path)
+    data = bytearray(path.read_bytes())
+    if what == "kv_heads":
+        at, value, said = _u32_after(data, "llama.attention.head_count_kv"), 0, "head_count_kv=0 must be at least 1"
+    elif what == "bos":
+        at, value, said = _u32_after(data, "tokenizer.ggml.bos_token_id"), 99999, "99999 is outside the vocabulary"
+    if what in ("kv_heads", "bos"):
+        data[at:at + 4] = value.to_bytes(4, "little")
+        data[_u32_after(data, "tokenizer.ggml.add_bos_token")] = 1  # a BOS rule spells the id before the check
+    else:
+        at = _offset_of(data, "blk.0.attn_k.weight")
+        offset = int.from_bytes(data[at:at + 8], "little")
+        moved = offset + 4 if what == "misaligned" else 0
+        data[at:at + 8] = moved.to_bytes(8, "little")
+        said = "is not a multiple of general.alignment" if what == "misaligned" else "overlap"
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=said):
+        load_gguf(path)
+    assert main(["generate", "--gguf", str(path), "--prompt", "hi", "--max-new-tokens", "1"]) == 2
+    assert said in capsys.readouterr().err
+
+
 def test_sft_run_chats_and_generates_with_its_template(tmp_path):
     """The outside check: a tiny SFT run, then `seqlab chat --checkpoint RUN --message T --temperature 0`."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).parents[2] / "src"),

@@ -4,8 +4,8 @@ The inverse of :mod:`seqlab.io.gguf`: seqlab -> HF names (:func:`seqlab.io.expor
 (:mod:`seqlab.io.gguf_arch`). The architecture is the one the HF export would name (``llama``; ``qwen2`` when only
 q/k/v have biases; ``qwen3`` with q/k norms), written with that architecture's metadata (sizes, head size, rope
 base, norm epsilon) plus the tokenizer as byte-level BPE (``tokenizer.ggml.model = gpt2``, ``pre`` the split it
-makes: tokens, types, merges, special ids, chat template). Only for ``llama`` are the Q/K rows permuted into llama.cpp's interleaved-pair rotary
-order; qwen2/qwen3 keep HF's rotate-half rows, as llama.cpp's converter does.
+makes: tokens, types, merges, special ids, chat template). Only for ``llama`` are the Q/K rows permuted into
+llama.cpp's interleaved-pair rotary order; qwen2/qwen3 keep HF's rotate-half rows, as llama.cpp's converter does.
 
 Weights: ``f32``; ``f16``; ``q8_0``, ``q4_0``, ``q4_1`` through ``gguf.quants.quantize`` (llama.cpp's own block
 formats). As llama.cpp does, 1-D tensors (norms, biases) stay f32, and a matrix whose rows do not fill whole

@@ -161,6 +161,10 @@ def gguf_hf_config(f: GGUFFile) -> dict[str, Any]:
     d_model = int(scalar("embedding_length"))
     n_heads = int(scalar("attention.head_count"))
     n_kv = int(scalar("attention.head_count_kv", n_heads))
+    for name, value in (("embedding_length", d_model), ("attention.head_count", n_heads),
+                        ("attention.head_count_kv", n_kv)):
+        if value < 1:
+            raise GGUFError(f"{f.path}: {key(name)}={value} must be at least 1")
     head_dim = int(scalar("attention.key_length", d_model // n_heads))
     value_dim = int(scalar("attention.value_length", head_dim))
     if value_dim != head_dim:

@@ -161,12 +161,19 @@ class GGUFFile:
                                 f"{qtype.name} block size {block}")
             nbytes = n // block * type_size
             start = data_start + offset
+            if offset % align:  # llama.cpp refuses these too: a shifted offset reads every weight shifted
+                raise GGUFError(f"{self.path}: malformed GGUF: tensor {name!r} offset {offset} is not a multiple of "
+                                f"general.alignment={align}")
             if start + nbytes > cur.size:
                 raise GGUFError(f"{self.path}: truncated GGUF: tensor {name!r} needs bytes up to {start + nbytes} "
                                 f"but the file has {cur.size}")
             if name in self.tensors:
                 raise GGUFError(f"{self.path}: malformed GGUF: tensor {name!r} appears twice")
             self.tensors[name] = GGUFTensorInfo(name, tuple(int(d) for d in reversed(dims)), qtype, start, nbytes)
+        spans = sorted((t.start, t.start + t.nbytes, t.name) for t in self.tensors.values())
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            if start < end:
+                raise GGUFError(f"{self.path}: malformed GGUF: tensors {first!r} and {second!r} overlap")
 
     @property
     def architecture(self) -> str:

@@ -140,6 +140,10 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], source: str = "<gguf>") -> 
         return int(v) if v is not None else None
 
     bos, eos = tid("bos_token_id"), tid("eos_token_id")
+    for role, value in (("bos", bos), ("eos", eos)):  # before the post-processor spells them
+        if value is not None and not 0 <= value < len(spelled):
+            raise TokenizerError(f"{source}: tokenizer.ggml.{role}_token_id={value} is outside the vocabulary "
+                                 f"[0, {len(spelled)})")
     add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     backend.post_processor = special_post_processor(spelled.__getitem__, bos if add_bos else None,
