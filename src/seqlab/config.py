@@ -160,6 +160,8 @@ class ModelConfig:
                 raise ConfigError(name, f"must be in [0, 1), got {value!r}")
         if self.norm_eps <= 0:
             raise ConfigError("norm_eps", f"must be positive, got {self.norm_eps!r}")
+        if not self.rope_base > 1:  # the rotation's wavelengths grow as powers of it; `not >` also refuses NaN
+            raise ConfigError("rope_base", f"must be greater than 1, got {self.rope_base!r}")
         if self.pos_offset < 0:
             raise ConfigError("pos_offset", f"must be >= 0, got {self.pos_offset!r}")
         for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):

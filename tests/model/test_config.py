@@ -18,6 +18,8 @@ from seqlab import ConfigError, ModelConfig
         (dict(vocab_size=0), "vocab_size"),
         (dict(dropout=1.5), "dropout"),
         (dict(pad_token_id=999, vocab_size=10), "pad_token_id"),
+        (dict(rope_base=-10000.0), "rope_base"),
+        (dict(norm_eps=0.0), "norm_eps"),
     ],
 )
 def test_invalid_config_names_the_field(kwargs, field):
