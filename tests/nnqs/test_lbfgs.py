@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from seqlab.nnqs import lbfgs, vmc
 from seqlab.nnqs.ansatz import Wavefunction
 from seqlab.nnqs.driver import run_vmc
 from seqlab.nnqs.lbfgs import build_lbfgs, lbfgs_step
 from seqlab.nnqs.selected_space import SelectedSpace
-from seqlab.nnqs.vmc import VMCConfig
+from seqlab.nnqs.vmc import VMCConfig, make_evaluator
 from seqlab.runtime.dist import DistInfo
 
 
@@ -30,7 +31,7 @@ def test_lbfgs_steps_descend_on_the_exact_sum_and_beat_adamw(system):
 
 
 def test_lbfgs_step_on_the_selected_sum_grows_prunes_expands_and_refits(system):
-    """A selected-sum L-BFGS step samples into the space, refits the signs when due, expands from the last
+    """A selected-sum L-BFGS step samples into the space, refits the signs when due, expands from the final
     evaluation (pinned configurations, the history dropped) and reports the first evaluation's energy."""
     ham = system("lih").hamiltonian
     torch.manual_seed(0)
@@ -44,6 +45,27 @@ def test_lbfgs_step_on_the_selected_sum_grows_prunes_expands_and_refits(system):
     assert all(st.n_selected > 0 and st.energy == st.energy for st in stats)
     assert stats[-1].energy < stats[0].energy
     assert all(st.n_evaluations >= 2 for st in stats)  # the first evaluation and at least one line search's
+
+
+def test_the_selected_space_is_pruned_at_the_parameters_the_step_ends_on(system, monkeypatch):
+    """The strong-Wolfe line search can end its zoom on an earlier point of the bracket, so the last evaluation is
+    not always where the parameters end; the space is pruned from the probabilities at the end. (With the last
+    evaluation, one of these eight LiH steps pruned from a rejected trial point.)"""
+    ham = system("lih").hamiltonian
+    torch.manual_seed(0)
+    wf = Wavefunction(ham.n_orb, ham.n_alpha, ham.n_beta)
+    cfg = VMCConfig(steps=8, samples=200, estimator="selected-sum", lbfgs_steps=8, lbfgs_iters=10)
+    space, opt = SelectedSpace(ham), build_lbfgs(wf, cfg)
+    pruned_at_end = []
+
+    def prune_and_expand(selected, cfg, step, summed, log_psi, last):
+        pruned_at_end.append(torch.equal(make_evaluator(wf)(summed), log_psi))
+        return vmc.prune_and_expand(selected, cfg, step, summed, log_psi, last)
+
+    monkeypatch.setattr(lbfgs, "prune_and_expand", prune_and_expand)
+    for step in range(8):
+        lbfgs_step(wf, opt, cfg, step, DistInfo(), selected=space)
+    assert pruned_at_end == [True] * 8
 
 
 def test_lbfgs_needs_a_summed_energy(system):

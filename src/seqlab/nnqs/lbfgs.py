@@ -10,8 +10,8 @@ it matched AdamW's 1 500 steps in 51 steps of 20 iterations and 21 % less time. 
 direction's curvature bought cheaply: no Jacobian, a history of gradient differences.
 
 A step here samples into the selected space (as ``vmc_step`` does), refits the signs when the sign fit is due, then
-takes ``lbfgs_iters`` L-BFGS iterations on the space as it stands, and prunes and expands the space from the last
-evaluation. The history carries over between steps (the space gains a few improbable configurations per step, which
+takes ``lbfgs_iters`` L-BFGS iterations on the space as it stands, and prunes and expands the space from the
+evaluation at the parameters the iterations end on (not the last one made, which can be a rejected trial point). The history carries over between steps (the space gains a few improbable configurations per step, which
 barely moves the objective) and is dropped when anything else moved the parameters or the objective: a sign fit, an
 expansion, a step-guard rollback. It is checkpointed (``lbfgs_state``): a resume that started from an empty history
 took other line searches than the unbroken run, so another last evaluation, another pruned space and final energy.
@@ -74,6 +74,10 @@ def load_lbfgs_state(opt: torch.optim.LBFGS, tensors: dict[str, Tensor], meta: d
         opt.state[opt.param_groups[0]["params"][0]] = state
 
 
+def _flat(wf: Wavefunction) -> Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in wf.parameters()])
+
+
 def lbfgs_step(wf: Wavefunction, opt: torch.optim.LBFGS, cfg: VMCConfig, step: int, dist: DistInfo,
                sector: SectorHamiltonian | None = None, selected: SelectedSpace | None = None) -> StepStats:
     """One run step of ``cfg.lbfgs_iters`` L-BFGS iterations on the exact sum (``sector``) or the selected sum
@@ -88,19 +92,21 @@ def lbfgs_step(wf: Wavefunction, opt: torch.optim.LBFGS, cfg: VMCConfig, step: i
             reset_history(opt)
     t1 = time.perf_counter()
     summed = selected.keys if selected is not None else None  # the space stays as it is until the iterations end
-    evaluations: list[tuple[ExactSum, torch.Tensor | None]] = []
+    # each evaluation with the parameters it saw (selected sum only: what the space is pruned from, below)
+    evaluations: list[tuple[ExactSum, torch.Tensor | None, torch.Tensor | None]] = []
     t_backward = [0.0]
 
-    def closure() -> torch.Tensor:
+    def summed_energy() -> tuple[ExactSum, torch.Tensor | None]:
         with torch.no_grad():
             if selected is not None:
                 log_psi = make_evaluator(wf)(summed)
-                ex = subspace_sum(log_psi, selected.hamiltonian(), cfg.exact_tail, cfg.exact_max_configs, dist.rank,
-                                  dist.world_size)
-            else:
-                log_psi, ex = None, exact_sum(wf, sector, cfg.exact_tail, cfg.exact_max_configs, dist.rank,
-                                              dist.world_size)
-        evaluations.append((ex, log_psi))
+                return subspace_sum(log_psi, selected.hamiltonian(), cfg.exact_tail, cfg.exact_max_configs, dist.rank,
+                                    dist.world_size), log_psi
+            return exact_sum(wf, sector, cfg.exact_tail, cfg.exact_max_configs, dist.rank, dist.world_size), None
+
+    def closure() -> torch.Tensor:
+        ex, log_psi = summed_energy()
+        evaluations.append((ex, log_psi, _flat(wf) if selected is not None else None))
         t_grad = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         if len(ex.tokens):
@@ -113,9 +119,17 @@ def lbfgs_step(wf: Wavefunction, opt: torch.optim.LBFGS, cfg: VMCConfig, step: i
         return torch.tensor(ex.energy.real)
 
     opt.step(closure)
-    first, (last, last_log_psi) = evaluations[0][0], evaluations[-1]
-    if selected is not None and prune_and_expand(selected, cfg, step, summed, last_log_psi, last):
-        reset_history(opt)
+    first = evaluations[0][0]
+    if selected is not None:
+        # the space is pruned from the parameters the step ends at: the last evaluation can be a trial point the
+        # line search rejected (its zoom ends on the better end of the bracket), so find the accepted one
+        end = _flat(wf)
+        last, last_log_psi = next(((ex, log_psi) for ex, log_psi, at in reversed(evaluations) if torch.equal(at, end)),
+                                  (None, None))
+        if last is None:  # not seen among the evaluations (never observed): evaluate it
+            last, last_log_psi = summed_energy()
+        if prune_and_expand(selected, cfg, step, summed, last_log_psi, last):
+            reset_history(opt)
     t2 = time.perf_counter()
     energy = first.energy  # t_local_energy: the evaluations' sums (and pruning); t_backward: their gradients
     n_selected = len(first.probabilities) if selected is not None else 0
