@@ -11,8 +11,9 @@ direction's curvature bought cheaply: no Jacobian, a history of gradient differe
 
 A step here samples into the selected space (as ``vmc_step`` does), refits the signs when the sign fit is due, then
 takes ``lbfgs_iters`` L-BFGS iterations on the space as it stands, and prunes and expands the space from the
-evaluation at the parameters the iterations end on (not the last one made, which can be a rejected trial point). The history carries over between steps (the space gains a few improbable configurations per step, which
-barely moves the objective) and is dropped when anything else moved the parameters or the objective: a sign fit, an
+evaluation at the parameters the iterations end on (not the last one made, which can be a rejected trial point).
+The history carries over between steps (the space gains a few improbable configurations per step, which barely
+moves the objective) and is dropped when anything else moved the parameters or the objective: a sign fit, an
 expansion, a step-guard rollback. It is checkpointed (``lbfgs_state``): a resume that started from an empty history
 took other line searches than the unbroken run, so another last evaluation, another pruned space and final energy.
 """
