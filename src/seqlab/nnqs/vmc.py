@@ -40,7 +40,7 @@ from seqlab.nnqs.sign_fit import fit_signs
 from seqlab.nnqs.space import keys_to_tokens, n_configurations, tokens_to_bits, tokens_to_keys
 from seqlab.nnqs.sr import sr_direction
 from seqlab.nnqs.vmc_config import VMCConfig  # the run's settings; callers import them from here too
-from seqlab.runtime.dist import DistInfo, all_reduce_mean, all_reduce_sum
+from seqlab.runtime.dist import DistInfo, all_reduce_mean, all_reduce_sum, gather_bytes
 from seqlab.runtime.schedule import warmup_cosine
 
 HARTREE_TO_MHA = 1000.0
@@ -185,7 +185,7 @@ def vmc_step(wf: Wavefunction, ham: Hamiltonian, opt: torch.optim.Optimizer, cfg
         s = sample(wf, samples_at(cfg, step), shared, cfg.sampler, dist.rank, dist.world_size, local)
         t1 = time.perf_counter()
         tokens, w = s.tokens, s.counts.double() / s.n_total
-        logp, phase, eloc = sampled_local_energy(wf, ham, cfg, tokens, sector)
+        logp, phase, eloc = sampled_local_energy(wf, ham, cfg, tokens, sector, dist)
         sums = torch.stack(((w * eloc.real).sum(), (w * eloc.imag).sum(), (w * eloc.abs() ** 2).sum(),
                             torch.tensor(float(len(tokens)), dtype=torch.float64)))
         all_reduce_sum(sums, dist)
@@ -296,22 +296,44 @@ def backward_surrogate(wf: Wavefunction, tokens: Tensor, logp: Tensor, phase: Te
 
 
 def sampled_local_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, tokens: Tensor,
-                         sector: SectorHamiltonian | None) -> tuple[Tensor, Tensor, Tensor]:
-    """(log P, phi) with gradients and exact (or sample-space) E_loc for this rank's unique samples."""
-    if not len(tokens):  # this rank's share of the sample tree is empty (tiny spaces, many ranks)
-        return torch.zeros(0), torch.zeros(0), torch.zeros(0, dtype=torch.complex128)
-    keys = tokens_to_keys(tokens)
+                         sector: SectorHamiltonian | None,
+                         dist: DistInfo | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """(log P, phi) with gradients and exact (or sample-space) E_loc for this rank's unique samples. The sample-space
+    estimator keeps the x' among every rank's samples, so its truncation of H does not narrow with more ranks."""
+    keys = tokens_to_keys(tokens) if len(tokens) else torch.zeros(0, dtype=torch.int64)
     if len(tokens) > cfg.grad_chunk:  # no graph now: backward_surrogate re-runs the network in chunks
         log_psi = wf.log_psi(tokens, cfg.grad_chunk)
         logp, phase = (2 * log_psi.real).float(), log_psi.imag.float()
-    else:
+    elif len(tokens):
         logp, phase = wf(tokens)
+    else:  # this rank's share of the sample tree is empty (tiny spaces, many ranks)
+        logp, phase = torch.zeros(0), torch.zeros(0)
     with torch.no_grad():
+        log_psi = torch.complex(0.5 * logp.detach().double(), phase.detach().double())
+        table = None
+        if cfg.local_energy == "sample-space":  # every rank takes part, an empty share too
+            table = PsiTable(*every_rank_samples(keys, log_psi, dist or DistInfo()))
+        if not len(tokens):
+            return logp, phase, torch.zeros(0, dtype=torch.complex128)
         if sector is not None and cfg.local_energy == "exact":
             return logp, phase, sector.local_energy(keys, sector_log_psi(wf, sector))
-        log_psi = torch.complex(0.5 * logp.detach().double(), phase.detach().double())
-        return logp, phase, local_energy(ham, keys, log_psi, PsiTable(keys, log_psi), make_evaluator(wf),
+        return logp, phase, local_energy(ham, keys, log_psi, table or PsiTable(keys, log_psi), make_evaluator(wf),
                                          cfg.local_energy)
+
+
+def every_rank_samples(keys: Tensor, log_psi: Tensor, dist: DistInfo) -> tuple[Tensor, Tensor]:
+    """(keys, log psi) of the unique samples of all ranks (their shares of the sample tree are disjoint)."""
+    if not dist.active:
+        return keys, log_psi
+    parts = gather_bytes(keys.numpy().tobytes() + log_psi.numpy().tobytes(), dist)
+    counts = [len(part) // 24 for part in parts]  # 8 bytes of key and 16 of complex128 per sample
+    keys = [_from_bytes(part[: 8 * n], torch.int64) for part, n in zip(parts, counts)]
+    values = [_from_bytes(part[8 * n:], torch.complex128) for part, n in zip(parts, counts)]
+    return torch.cat(keys), torch.cat(values)
+
+
+def _from_bytes(buffer: bytes, dtype: torch.dtype) -> Tensor:
+    return torch.frombuffer(bytearray(buffer), dtype=dtype) if buffer else torch.zeros(0, dtype=dtype)
 
 
 @torch.no_grad()
