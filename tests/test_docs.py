@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
-COMMAND_START = ("seqlab ", "torchrun ", "python ", "make ", "pip ", "curl ")
+COMMAND_START = ("seqlab ", "torchrun ", "python ", "make ", "pip ", "curl ", "printf ")
 
 TRAIN_SHRINK = ["--preset", "tiny", "--max-steps", "2", "--batch-size", "2", "--seq-len", "128", "--eval-batches", "1",
                 "--no-progress"]
@@ -42,16 +42,31 @@ SHRINK: list[tuple[str, list[str]]] = [
     (r"seqlab train .*--resume", [*TRAIN_SHRINK, "--max-steps", "4"]),
     (r"-m seqlab train|^seqlab train", TRAIN_SHRINK),
     (r"^seqlab demo", ["--time", "3", "--samples", "1", "--max-new-tokens", "8", "--preset", "tiny", "--no-progress"]),
+    (r"^seqlab nnqs .*--resume", [*NNQS_SHRINK, "--steps", "6"]),   # more steps than the shrunk run: it trains on
     (r"-m seqlab(\.cli)? nnqs|-m seqlab\.cli\.nnqs|^seqlab nnqs", NNQS_SHRINK),
     (r"^seqlab generate", ["--max-new-tokens", "8"]),
     # a whole split in 8192-token windows is minutes of prefill (over 10 under the AVX2 caps): score its start
     (r"^seqlab perplexity", ["--max-bytes", "3000"]),
-    (r"^python bench/", ["--help"]),   # benchmarks run for minutes: `make bench` runs them; here they must start
 ]
+
+# benchmarks run for minutes (`make bench` runs them): here a documented one must parse its flags, so the script
+# runs up to its parse_args and stops there (a `--help` would exit before an unknown flag was refused)
+PARSE_ONLY = """
+import argparse, os, runpy, sys
+parse = argparse.ArgumentParser.parse_args
+def parse_and_stop(self, args=None, namespace=None):
+    parse(self, args, namespace)
+    raise SystemExit(0)
+argparse.ArgumentParser.parse_args = parse_and_stop
+sys.argv = sys.argv[1:]
+sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))   # as `python script.py` puts it
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
 
 # commands that are shown but not run here, and why
 NOT_RUN: dict[str, str] = {
-    r"^make (demo|test)": "the install and test entry points: CI runs them on a clean clone",
+    r"^make (demo|test)": "the install and test entry points: `make test` is CI's (.ci/run), and `make demo` is "
+                          "`seqlab demo`, which training.md runs shrunk",
     r"^pip install": "installs packages: the Makefile's install step does this",
 }
 
@@ -143,6 +158,11 @@ def run_page_commands(page: Path, places: dict[str, str], work: Path, env: dict[
         for cmd in shell_commands(lang or "bash", body):
             if any(re.search(p, cmd.line) for p in NOT_RUN):
                 continue
+            if cmd.line.startswith("printf "):   # a file the page writes for the commands after it: the shell's job
+                proc = subprocess.run(["bash", "-c", cmd.line], cwd=work, capture_output=True, text=True)
+                assert proc.returncode == 0, f"{page.name}: `{cmd.line}` exited {proc.returncode}\n{proc.stderr}"
+                ran += 1
+                continue
             args = _bind(shlex.split(cmd.line.replace(":8000", f":{places['port']}").replace(
                 "--port 8000", f"--port {places['port']}"), comments=True), places)
             if args[:2] == ["seqlab", "serve"]:
@@ -151,7 +171,8 @@ def run_page_commands(page: Path, places: dict[str, str], work: Path, env: dict[
                 continue
             forked = args[0] == "seqlab"
             if args[0] == "python":   # scripts are named from the repository root
-                args = [sys.executable, *(str(ROOT / a) if (ROOT / a).is_file() else a for a in args[1:])]
+                script = ["-c", PARSE_ONLY] if args[1].startswith("bench/") else []
+                args = [sys.executable, *script, *(str(ROOT / a) if (ROOT / a).is_file() else a for a in args[1:])]
             elif args[0] == "torchrun":
                 args = [sys.executable, "-m", "torch.distributed.run", *args[1:]]
             args += _shrink(cmd.line)
@@ -219,7 +240,6 @@ def places(tmp_path_factory) -> dict[str, str]:
     (root / "notes.txt").write_text(text)
     (root / "sentences.txt").write_text("A man is eating food.\nThe girl is carrying a baby.\n")
     (root / "prompts.txt").write_text("To be\nROMEO:\n")
-    (root / "water.xyz").write_text("3\nwater, Angstrom\nO 0.0 0.0 0.1173\nH 0.0 0.7572 -0.4692\nH 0.0 -0.7572 -0.4692\n")
     (root / "docs.jsonl").write_text("".join(json.dumps({"text": f"doc {i}: {text[:90]}"}) + "\n" for i in range(40)))
     (root / "pairs.jsonl").write_text("".join(f'{{"source": "{i} Mar 2021", "target": "2021-03-{i:02d}"}}\n'
                                               for i in range(1, 29)))
@@ -238,10 +258,9 @@ def places(tmp_path_factory) -> dict[str, str]:
         "path/to/bert-folder": str(minilm_dir),
         "path/to/hf-folder": str(minilm_dir),
         "path/to/folder": str(minilm_dir),
-        "SmolLM2-135M-Instruct.Q4_1.gguf": str(smollm2_gguf_path),
-        "DIR": str(ckpt), "SMALL_DIR": str(ckpt), "runs/demo/checkpoints/step_00000200": str(ckpt),
+        "DIR": str(ckpt), "SMALL_DIR": str(ckpt),
         **{name: str(root / name) for name in ("my_book.txt", "corpus.txt", "sentences.txt", "prompts.txt",
-                                               "docs.jsonl", "pairs.jsonl", "chats.jsonl", "prefs.jsonl", "water.xyz",
+                                               "docs.jsonl", "pairs.jsonl", "chats.jsonl", "prefs.jsonl",
                                                "notes.txt")},
     }
 

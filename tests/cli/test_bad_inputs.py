@@ -91,6 +91,7 @@ GENERATE_CASES: list[Case] = [
     Case("generate-system-without-chat", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--system", "be brief"], "--system is the system prompt of --chat"),
     Case("generate-greedy-with-temperature", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--strategy", "greedy", "--temperature", "0.7"], "--strategy greedy takes the likeliest token"),
     Case("generate-length-penalty-without-beams", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--length-penalty", "2.5"], "--length-penalty ranks finished beams"),
+    Case("generate-default-length-penalty-without-beams", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--length-penalty", "1.0"], "--length-penalty ranks finished beams"),
     Case("generate-speculative-tokens-without-draft", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--num-speculative-tokens", "9"], "--num-speculative-tokens sets what a --draft model proposes"),
     Case("generate-temperature-zero-with-top-k", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--temperature", "0", "--top-k", "3"], "--temperature 0 is greedy decoding"),
     Case("generate-sample-at-temperature-zero", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--strategy", "sample", "--temperature", "0"], "--strategy sample with --temperature 0"),

@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--num-beams", type=int, default=None, help="beams for beam search (default 4 with --strategy "
                    "beam, else 1)")
-    p.add_argument("--length-penalty", type=float, default=1.0, help="beam search: a finished beam's score is "
+    p.add_argument("--length-penalty", type=float, default=None, help="beam search: a finished beam's score is "
                    "its log-probability over (generated length ** this) (default 1.0)")
     p.add_argument("--num-speculative-tokens", type=int, default=None, help="with --draft: tokens the draft "
                    "proposes per step (default 4)")
@@ -125,7 +125,7 @@ def _check_combination(args, strategy: str) -> None:
                          f"--strategy {strategy}, or drop --draft")
     if args.num_speculative_tokens is not None and strategy != "speculative":
         raise ValueError("--num-speculative-tokens sets what a --draft model proposes: add --draft DIR, or drop it")
-    if args.length_penalty != 1.0 and strategy != "beam":
+    if args.length_penalty is not None and strategy != "beam":
         raise ValueError("--length-penalty ranks finished beams: it needs beam search (--num-beams 2 or more)")
     if args.temperature == 0 and _filters(args):
         raise ValueError("--temperature 0 is greedy decoding: --top-k/--top-p/--min-p do not apply (drop them, or "
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         do_sample=(strategy == "sample" or strategy == "speculative" and _sampling_knob(args)) and args.temperature > 0,
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty, num_beams=(args.num_beams or 4) if strategy == "beam" else 1,
-        length_penalty=args.length_penalty,
+        length_penalty=1.0 if args.length_penalty is None else args.length_penalty,
         num_speculative_tokens=4 if args.num_speculative_tokens is None else args.num_speculative_tokens,
         eos_token_id=eos, pad_token_id=pad, stop_strings=args.stop, seed=args.seed, truncate_prompt=args.truncate,
         compile=args.compile,

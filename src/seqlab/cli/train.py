@@ -123,7 +123,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the run's)")
     e.add_argument("--max-batches", type=int, default=None, help="score only the first N batches (default: all)")
     e.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda[:N], or auto")
-    e.add_argument("--precision", default="fp32", help="fp32 | bf16 | auto (auto: the run's precision)")
+    e.add_argument("--precision", default="fp32", help="fp32 | bf16 | auto (auto: the run's precision; default fp32)")
     e.add_argument("--json", dest="json_out", default=None, help="also write the results to this JSON file")
     e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     e.add_argument("--debug", action="store_true")
