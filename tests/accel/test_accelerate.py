@@ -15,6 +15,7 @@ from seqlab.accel.routes import DenseRoute, PackedRoute, Use
 from seqlab.cli import build_parser, main
 from seqlab.generate import generate
 from seqlab.io import save_pretrained
+from seqlab.quant import quantize
 
 from .helpers import SleepyPacked, tiny_model
 
@@ -53,6 +54,22 @@ def test_accelerated_bf16_logits_are_close_to_fp32():
     ids = _ids()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).float(), plain(ids), atol=BF16_ATOL, rtol=0)
+
+
+def test_a_quantised_model_keeps_fp32_where_no_dense_product_was_timed(monkeypatch):
+    """A model quantised throughout has no dense product to time: both dtype totals are 0, and 0 <= 0 once took
+    bf16 unmeasured (batched decode on a bf16 CPU), which cast the quantised layers' scales. Nothing says bf16 is
+    faster, so the plan stays fp32 and the logits stay the model's."""
+    monkeypatch.setattr(accel_apply, "native_bf16", lambda: True)  # as on an AMX machine, whatever this one is
+    model = quantize(tiny_model(), bits=4, group_size=32)
+    ids = _ids()
+    with torch.no_grad():
+        before = model(ids)
+    plan = plan_for(model, "decode", rows=2, dtype="auto", budget_s=0.2)
+    assert set(plan.dtype_totals_s) == {"fp32", "bf16"} and plan.dtype == "fp32"
+    accelerate(model, "decode", rows=2, dtype="auto", budget_s=0.2)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), before, rtol=0, atol=1e-5)
 
 
 def test_training_routes_give_the_plain_gradients():

@@ -143,3 +143,34 @@ def test_blockwise_dequantisation_is_bit_exact(scheme):
     model's weights, not an approximation of them."""
     layer = _layer(scheme, n=300)
     assert torch.equal(kernels.dequantize_rows(layer, 10, 290), layer.dequantize(slice(10, 290)))
+
+
+@pytest.mark.parametrize("scheme", [Scheme(4, 32), Scheme(8, 32)], ids=["int4", "int8"])
+def test_a_bf16_cast_keeps_the_scales_and_every_route_the_products(scheme):
+    """model.to(torch.bfloat16) (what a bf16 plan does to a model) moves a quantised layer but leaves its scales,
+    minima and bias at their fp32 values, which every route reads as fp32: bf16 inputs give the fp32 product of
+    those inputs. (Cast, the scales were other weights; read by C as fp32 bytes they made NaN.)"""
+    layer = _layer(scheme)
+    before = {name: buf.clone() for name, buf in layer.named_buffers()}
+    layer.to(torch.bfloat16)
+    for name, buf in layer.named_buffers():
+        assert buf.dtype == before[name].dtype and torch.equal(buf, before[name]), name
+    x = torch.randn(37, layer.in_features).bfloat16()
+    ref = F.linear(x.float(), layer.dequantize(), layer.bias)
+    for route in sorted(routes.ROUTES):
+        if routes.available(route):
+            _close(routes.ROUTES[route](layer)(x.float()), ref, layer.in_features)
+    y = layer(x)
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_the_dequantiser_reads_scales_of_another_dtype_as_what_they_are():
+    """kernels.dequantize_rows hands C fp32 scales whatever the buffers hold (a layer whose scales someone set to
+    bf16 by hand): the rows are those scales' values, not their bytes read as fp32."""
+    layer = _layer(Scheme(4, 32), n=64)
+    layer.scales, layer.mins = layer.scales.bfloat16(), layer.mins.bfloat16()
+    want = layer.dequantize(slice(0, 64)).float()
+    got = kernels.dequantize_rows(layer, 0, 64)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -234,8 +234,8 @@ def plan_for(model: nn.Module, for_: str = "decode", *, rows: int | None = None,
         plan.shapes[dtype_name(use.dtype)] = choices
         plan.dtype_totals_s[dtype_name(use.dtype)] = total
     totals = plan.dtype_totals_s
-    if "bf16" in totals and "fp32" in totals:
-        plan.dtype = "bf16" if totals["bf16"] * BF16_MIN_SPEEDUP <= totals["fp32"] else "fp32"
+    if "bf16" in totals and "fp32" in totals and totals["fp32"] > 0:  # no dense product timed (a quantised
+        plan.dtype = "bf16" if totals["bf16"] * BF16_MIN_SPEEDUP <= totals["fp32"] else "fp32"  # model): fp32
     return plan
 
 

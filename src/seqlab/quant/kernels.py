@@ -101,12 +101,13 @@ def dequantize_rows(layer, r0: int, r1: int) -> Tensor:
     k = layer.in_features
     out = torch.empty(r1 - r0, k, dtype=torch.float32)
     g = layer.group_size or k
+    scales = layer.scales.float().contiguous()  # the C side reads fp32 (QuantLinear keeps them so; be sure)
     if layer.bits == 4:
-        dll.seqlab_q4_dequant(_ptr(layer.qweight), _ptr(layer.scales), _ptr(layer.mins), k, g, r0, r1, _ptr(out),
+        mins = layer.mins.float().contiguous()
+        dll.seqlab_q4_dequant(_ptr(layer.qweight), _ptr(scales), _ptr(mins), k, g, r0, r1, _ptr(out),
                               torch.get_num_threads())
     else:
-        dll.seqlab_q8_dequant(_ptr(layer.qweight), _ptr(layer.scales), k, g, r0, r1, _ptr(out),
-                              torch.get_num_threads())
+        dll.seqlab_q8_dequant(_ptr(layer.qweight), _ptr(scales), k, g, r0, r1, _ptr(out), torch.get_num_threads())
     return out
 
 

@@ -78,6 +78,16 @@ class QuantLinear(nn.Module):
         y = run_route(self, x2)
         return y.view(*shape[:-1], self.out_features).to(x.dtype)
 
+    def _apply(self, fn, recurse: bool = True) -> QuantLinear:
+        """Moves apply, dtype casts do not: ``model.to(torch.bfloat16)`` must leave the scales, minima and bias at
+        the fp32 values the file (or the quantiser) gave, which the kernels read; rounded to bf16 they were other
+        weights, and read as fp32 bytes, garbage. The layer has buffers only."""
+        for key, buf in self._buffers.items():
+            if buf is not None:
+                moved = fn(buf)
+                self._buffers[key] = moved if moved.dtype == buf.dtype else buf.to(moved.device)
+        return self
+
     def extra_repr(self) -> str:
         g = self.group_size or "row"
         return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}, group={g}"
