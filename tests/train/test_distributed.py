@@ -1,5 +1,6 @@
 """torchrun --nproc_per_node 2 (gloo) gives the same losses as one process with the same global batch, and its
-checkpoints resume in one process (twice the gradient accumulation) onto the same losses."""
+checkpoints resume in one process (twice the gradient accumulation) onto the same losses; a seq2seq run (one
+embedding under three names) resumes under FSDP2 onto its uninterrupted losses."""
 
 import json
 import os
@@ -25,6 +26,9 @@ def test_two_processes_match_one(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads((tmp_path / "losses.json").read_text())
+    s2s = res["fsdp_seq2seq"]  # its step-3 loss again, from the step-2 checkpoint (the shared embedding loaded)
+    assert len(s2s["losses"]) == 3 and len(s2s["resumed"]) == 1
+    assert abs(s2s["resumed"][0] - s2s["losses"][2]) < 1e-6, s2s
 
     data = windows(ByteTokenizer(), ragged=True)  # ranks see different padding: normalisation must be global
     single = make_trainer(tmp_path, out="single", data=data, steps=3, batch_size=2, grad_accum=2).fit()

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 from seqlab.runtime.dist import DistInfo
+from seqlab.runtime.errors import CheckpointError
 
 
 def wrap_model(model: nn.Module, mode: str, info: DistInfo) -> nn.Module:
@@ -42,3 +43,24 @@ def set_grad_sync(model: nn.Module, enabled: bool):
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(enabled)
     return contextlib.nullcontext()
+
+
+def load_full_weights(model: nn.Module, weights: dict[str, Tensor], where: str) -> None:
+    """A checkpoint's full (unsharded) weights into ``model``, plain, DDP or FSDP-sharded.
+
+    A module shared under two names (seq2seq's one embedding as ``shared``, ``encoder.embed.tok`` and
+    ``decoder.embed.tok``; a tied LM head) is loaded under its first name only: torch's full-state-dict loader visits
+    a shared module once and shards only that name's tensor, so a copy under a second name reached the sharded
+    parameter unsharded and the load failed. The other names share the parameter, so nothing is left unloaded.
+    """
+    import torch.distributed.checkpoint.state_dict as sd_api  # heavy (seconds): only save/load need it
+
+    first = {id(p): name for name, p in model.named_parameters()}  # each parameter once, under its first name
+    aliases = {name for name, p in model.named_parameters(remove_duplicate=False) if first[id(p)] != name}
+    options = sd_api.StateDictOptions(full_state_dict=True, strict=False)
+    result = sd_api.set_model_state_dict(model, {k: v for k, v in weights.items() if k not in aliases},
+                                         options=options)
+    missing, unexpected = sorted(set(result.missing_keys) - aliases), sorted(result.unexpected_keys)
+    if missing or unexpected:
+        raise CheckpointError(f"{where}: the weights do not fit the model (missing {missing[:5]}, unexpected "
+                              f"{unexpected[:5]})")

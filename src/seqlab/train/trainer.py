@@ -41,7 +41,7 @@ from seqlab.runtime.rng import capture_rng, restore_rng
 from seqlab.runtime.rundir import claim_run_dir
 from seqlab.runtime.signals import GracefulStop
 from seqlab.train.config import TrainConfig
-from seqlab.train.distributed import set_grad_sync, wrap_model
+from seqlab.train.distributed import load_full_weights, set_grad_sync, wrap_model
 from seqlab.train.evaluate import evaluate_on_ranks, to_device
 from seqlab.train.guards import check_resume_steps, check_unchanged, non_finite_parameter
 from seqlab.train.optim import build_optimizer
@@ -195,8 +195,8 @@ class Trainer:
             self.sampler.load_state_dict(tr["sampler"])
         except ValueError as e:
             raise ckpt.CheckpointError(f"{path}: {e}") from None
+        load_full_weights(self.raw_model, model_sd, str(path))
         opts = sd_api.StateDictOptions(full_state_dict=True, strict=True)
-        sd_api.set_model_state_dict(self.raw_model, model_sd, options=opts)
         if optim_sd is not None:
             sd_api.set_optimizer_state_dict(self.raw_model, self.optimizer, optim_sd, options=opts)
         self.step, self.tokens_seen, self.train_seconds = int(tr["step"]), int(tr["tokens_seen"]), float(tr["train_seconds"])
