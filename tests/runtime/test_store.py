@@ -42,6 +42,23 @@ def test_wrong_kind_corrupt_and_truncated_files_are_refused_by_name(tmp_path):
         store.load(path)
 
 
+def test_a_changed_state_json_is_refused_though_it_is_valid_json(tmp_path):
+    """state.json holds the step, the data position, the RNG and the optimiser's step counts: one flipped bit
+    (still valid JSON) resumed a different run silently. Its own sha256 covers it; what round-trips through JSON
+    (tuples, integer keys, floats) hashes alike when written and read back."""
+    store = CheckpointStore(tmp_path)
+    state = {"trainer": {"step": 2, "sampler": {"step_in_epoch": 2}}, "betas": (0.9, 0.99), "ids": {3: "a", 10: "b"},
+             "lr": 0.1 + 0.2, "nan": float("nan")}
+    path = store.save(2, {"model": _model_sd()}, state)
+    assert store.load(path)[1]["trainer"]["sampler"]["step_in_epoch"] == 2
+    raw = bytearray((path / "state.json").read_bytes())
+    at = raw.index(b'"step_in_epoch": 2') + len(b'"step_in_epoch": ')
+    raw[at] ^= 0x01  # '2' -> '3'
+    (path / "state.json").write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"state\.json: corrupt checkpoint state \(its content no longer matches"):
+        store.load(path)
+
+
 def test_clean_stale_removes_leftovers_of_killed_saves_only(tmp_path):
     store = CheckpointStore(tmp_path)
     store.save(5, {"model": _model_sd()}, {})

@@ -2,7 +2,7 @@
 
 One checkpoint (``<root>/step_00001000/``) holds ``<name>.safetensors`` for each tensor group (model,
 optimizer, ...), any extra files the caller adds (config.json, tokenizer.json), and ``state.json`` with the
-caller's state plus the sha256 of every other file. No pickles anywhere, so a checkpoint from elsewhere cannot
+caller's state plus the sha256 of every other file and of its own content. No pickles anywhere, so a checkpoint from elsewhere cannot
 run code; the hashes turn a truncated or bit-rotted file into a clear refusal instead of a different model.
 The directory is written under a hidden temporary name and renamed once: a reader, or a resume after a crash,
 sees a complete checkpoint or none.
@@ -35,6 +35,16 @@ def sha256_file(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def state_digest(state: dict[str, Any]) -> str:
+    """The sha256 of a state.json's content (all but its own ``state_sha256``) in one canonical JSON spelling, taken
+    after a JSON round trip so that what is written and what is read back hash alike (tuples as lists, keys as
+    strings). state.json holds the step, the data position, the RNG states and the optimiser's step counts: a
+    flipped bit there resumes a different run as surely as one in the weights."""
+    body = {k: v for k, v in state.items() if k != "state_sha256"}
+    canonical = json.dumps(json.loads(json.dumps(body, sort_keys=True)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
 def _dedupe_shared(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -163,6 +173,7 @@ class CheckpointStore:
             fsync_path(tmp / name)
             digests[name] = sha256_file(tmp / name)
         meta.update(format=self.kind, version=self.version, step=step, files=digests)
+        meta["state_sha256"] = state_digest(meta)
         with open(tmp / "state.json", "w") as f:
             json.dump(meta, f, indent=1, sort_keys=True)
             f.flush()
@@ -193,6 +204,10 @@ class CheckpointStore:
             state = json.loads(sp.read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{sp}: corrupt checkpoint state (not valid JSON: {e})") from e
+        if isinstance(state, dict) and "state_sha256" in state and state_digest(state) != state["state_sha256"]:
+            raise CheckpointError(f"{sp}: corrupt checkpoint state (its content no longer matches the sha256 "
+                                  f"recorded in it); refusing to load it. Delete {path} to resume from an older "
+                                  f"checkpoint.")
         kind = state.get("format") if isinstance(state, dict) else None
         if kind != self.kind:
             raise CheckpointError(f"{sp}: not a {self.kind} (format={kind!r})")
