@@ -90,6 +90,8 @@ GENERATE_CASES: list[Case] = [
     Case("generate-max-new-tokens-zero", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     Case("generate-system-without-chat", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--system", "be brief"], "--system is the system prompt of --chat"),
     Case("generate-greedy-with-temperature", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--strategy", "greedy", "--temperature", "0.7"], "--strategy greedy takes the likeliest token"),
+    Case("train-two-warmups", ["train", "--out", "{tmp}/r", "--warmup-steps", "4", "--warmup-frac", "0.25"], "--warmup-steps and --warmup-frac both set the warmup"),
+    Case("train-constant-schedule-with-floor", ["train", "--out", "{tmp}/r", "--schedule", "constant", "--min-lr-ratio", "0.5"], "--schedule constant never decays"),
     Case("generate-length-penalty-without-beams", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--length-penalty", "2.5"], "--length-penalty ranks finished beams"),
     Case("generate-default-length-penalty-without-beams", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--length-penalty", "1.0"], "--length-penalty ranks finished beams"),
     Case("generate-speculative-tokens-without-draft", ["generate", "--checkpoint", "{run}", "--prompt", "hi", "--num-speculative-tokens", "9"], "--num-speculative-tokens sets what a --draft model proposes"),

@@ -29,6 +29,26 @@ def test_time_budget_drives_progress():
     assert s(5, 100.0) == pytest.approx(0.0)
 
 
+def test_step_warmup_under_a_time_budget_hands_the_cosine_its_peak():
+    """--warmup-steps with --max-time: the cosine starts at the peak where warmup leaves it and decays smoothly to
+    the floor when the budget ends (it started at 0.63 of the peak after 0.99 the step before: its start was
+    counted in steps, its progress in time)."""
+    cfg = TrainConfig(lr=1.0, max_steps=1000, warmup_steps=100, max_time_s=60.0, min_lr_ratio=0.1)
+    s = LRSchedule(cfg)
+    lrs = [s(step, 0.3 * step) for step in range(201)]  # 0.3 s a step: the budget ends at step 200
+    assert lrs[99] == pytest.approx(100 / 101) and lrs[100] == pytest.approx(1.0)
+    assert all(a >= b for a, b in zip(lrs[100:], lrs[101:])) and lrs[101] > 0.999
+    assert lrs[200] == pytest.approx(0.1)
+
+
+def test_a_warmup_fraction_starts_as_the_same_warmup_in_steps_does():
+    """The first update of a 10 % warmup over 1000 steps is lr / 101, as with --warmup-steps 100 (it was
+    lr / 1001: the first update all but wasted)."""
+    frac = LRSchedule(TrainConfig(lr=1.0, max_steps=1000, warmup_frac=0.1))
+    steps = LRSchedule(TrainConfig(lr=1.0, max_steps=1000, warmup_steps=100))
+    assert frac(0) == pytest.approx(steps(0)) == pytest.approx(1 / 101)
+
+
 def test_no_decay_on_vectors_and_tied_weights_counted_once(tok):
     model = tiny_model(tok)  # tied embeddings
     groups = param_groups(model, 0.1)

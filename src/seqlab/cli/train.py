@@ -185,6 +185,10 @@ def _check_options(cfg: TrainConfig, given: dict) -> None:
         packing = ", ".join(sorted(name for name, cls in OBJECTIVES.items() if cls.can_pack))
         raise ValueError(f"--pack packs documents into rows for {packing}; the {cfg.objective} objective builds its "
                          "own rows: drop --pack")
+    if "warmup_steps" in given and "warmup_frac" in given:
+        raise ValueError("--warmup-steps and --warmup-frac both set the warmup (the fraction would win): give one")
+    if "min_lr_ratio" in given and cfg.schedule == "constant":
+        raise ValueError("--min-lr-ratio is where the cosine ends; --schedule constant never decays: drop one")
     context = cfg.model.get("max_seq_len")
     if isinstance(context, int) and context < cfg.seq_len:
         raise ValueError(f"--model max_seq_len={context} is shorter than --seq-len {cfg.seq_len}: training rows would "

@@ -22,10 +22,17 @@ class LRSchedule:
             p = max(p, train_seconds / self.cfg.max_time_s)
         return min(p, 1.0)
 
-    def warmup_progress(self) -> float:
+    def warmup_progress(self, step: int = 0, train_seconds: float = 0.0) -> float:
+        """Progress at which warmup ends. Counted in steps, it ends after ``warmup_steps`` of them; under a time
+        budget that is also a time, ``train_seconds * warmup_steps / step`` at the steady step time, so that the
+        cosine starts from the peak where warmup leaves it (measured in step progress alone it started further
+        along: 0.99 of the peak at the last warmup step, 0.63 at the next)."""
         if self.cfg.warmup_frac is not None:
             return self.cfg.warmup_frac
-        return min(self.cfg.warmup_steps / self.cfg.max_steps, 1.0)
+        pw = min(self.cfg.warmup_steps / self.cfg.max_steps, 1.0)
+        if self.cfg.max_time_s is not None and step > 0:
+            pw = max(pw, train_seconds * self.cfg.warmup_steps / step / self.cfg.max_time_s)
+        return min(pw, 1.0)
 
     def __call__(self, step: int, train_seconds: float = 0.0) -> float:
         """Learning rate for optimizer step number ``step`` (0-based: the first update uses step=0)."""
@@ -35,9 +42,9 @@ class LRSchedule:
             return warmup_cosine(step, cfg.max_steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
         if cfg.warmup_frac is None and step < cfg.warmup_steps:
             return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
-        p, pw = self.progress(step, train_seconds), self.warmup_progress()
-        if cfg.warmup_frac is not None and p < pw:
-            return cfg.lr * max(p / pw, 1.0 / (cfg.max_steps + 1))
+        p, pw = self.progress(step, train_seconds), self.warmup_progress(step, train_seconds)
+        if cfg.warmup_frac is not None and p < pw:  # the first update at lr / (warmup steps + 1), as counted in steps
+            return cfg.lr * max(p / pw, 1.0 / (pw * cfg.max_steps + 1))
         if cfg.schedule == "constant":
             return cfg.lr
-        return cosine_decay(0.0 if pw >= 1.0 else (p - pw) / (1.0 - pw), cfg.lr, cfg.min_lr_ratio)
+        return cosine_decay(0.0 if pw >= 1.0 else max(p - pw, 0.0) / (1.0 - pw), cfg.lr, cfg.min_lr_ratio)
