@@ -187,6 +187,11 @@ def main(argv=None) -> int:
                 samples[name].append((full - one) / args.new_tokens)
         for name, s in samples.items():
             step = statistics.median(s)
+            if step <= 0:  # t(1 + n) - t(1) below the timings' noise: no step time can be read off it
+                out["decode"].append({"batch": batch, "impl": name, "tok_s": None, "samples_ms": [x * 1e3 for x in s]})
+                print(f"batch {batch} {name:14s} n/a: t(1 + {args.new_tokens}) - t(1) was not positive (noise); "
+                      f"give more --new-tokens or --repeats", flush=True)
+                continue
             wb = weight_bytes(models[name]) if name != "hf" else None
             row = {"batch": batch, "impl": name, "tok_s": batch / step, "ms_per_step": step * 1e3,
                    "weight_bytes_per_step": wb, "weight_gb_s": wb / step / 1e9 if wb else None,
@@ -208,7 +213,7 @@ def main(argv=None) -> int:
         print(f"TTFT {args.ttft_len} {name:14s} {statistics.median(s) * 1e3:8.1f} ms", flush=True)
     base = {r["batch"]: r["tok_s"] for r in out["decode"] if r["impl"] == ("hf" if "hf" in models else "seqlab")}
     for r in out["decode"]:
-        r["x_vs_base"] = r["tok_s"] / base[r["batch"]]
+        r["x_vs_base"] = r["tok_s"] / base[r["batch"]] if r["tok_s"] and base[r["batch"]] else None
     del models
     out["llama_cpp"] = llama_cpp_column(path, args.new_tokens, args.llama_python, args.repeats, args.ttft_len)
     lc = out["llama_cpp"]
