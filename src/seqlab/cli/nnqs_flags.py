@@ -2,10 +2,10 @@
 whose flags differ from its checkpoint's.
 
 Why the second: the references (SCF, CCSD, FCI) and the warm-start target come before the driver's own comparison
-of the run's settings (``nnqs.resume.check_same_run``), and on the larger molecules they take minutes. The flags fix most of the
-settings by themselves, so a resume whose flags differ from its checkpoint's is refused here, at once, in the same
-words; the settings that follow from the references (the warm start actually made, and the recipe's values for the
-flags left out) are still compared by the driver.
+of the run's settings (``nnqs.resume.check_same_run``), and on the larger molecules they take minutes. The flags fix
+most of the settings by themselves, so a resume whose flags differ from its checkpoint's is refused here, at once,
+in the same words; the settings that follow from the references (the warm start actually made, and the recipe's
+values for the flags left out) are still compared by the driver.
 """
 
 from __future__ import annotations

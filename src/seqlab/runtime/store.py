@@ -2,10 +2,10 @@
 
 One checkpoint (``<root>/step_00001000/``) holds ``<name>.safetensors`` for each tensor group (model,
 optimizer, ...), any extra files the caller adds (config.json, tokenizer.json), and ``state.json`` with the
-caller's state plus the sha256 of every other file and of its own content. No pickles anywhere, so a checkpoint from elsewhere cannot
-run code; the hashes turn a truncated or bit-rotted file into a clear refusal instead of a different model.
-The directory is written under a hidden temporary name and renamed once: a reader, or a resume after a crash,
-sees a complete checkpoint or none.
+caller's state plus the sha256 of every other file and of its own content. No pickles anywhere, so a checkpoint
+from elsewhere cannot run code; the hashes turn a truncated or bit-rotted file into a clear refusal instead of a
+different model. The directory is written under a hidden temporary name and renamed once: a reader, or a resume
+after a crash, sees a complete checkpoint or none.
 """
 
 from __future__ import annotations
