@@ -3,6 +3,7 @@ SIGTERM while replies are streaming (they finish, the process exits 0)."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -10,6 +11,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import openai
 import torch
@@ -112,6 +115,60 @@ def test_serve_reads_a_completion_prompt_as_generate_does(tmp_path, capsys):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_replies_cut_by_the_shutdown_end_with_the_apis_error(tmp_path):
+    """SIGTERM with replies longer than --shutdown-timeout: each still ends in the API's own form (a JSON error for
+    a plain reply; an error chunk, then [DONE], for a stream), not uvicorn's plain-text 500 or a cut stream, and
+    the process exits 0 without a traceback."""
+    tok = ByteTokenizer()
+    model = tiny_decoder(seed=3, vocab_size=tok.vocab_size, max_seq_len=4096, d_model=256, n_layers=4, n_heads=4,
+                         pad_token_id=tok.pad_id, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)  # ~3 ms a step
+    save_pretrained(model, tmp_path / "long")
+    tok.save(tmp_path / "long" / "tokenizer.json")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "seqlab", "serve", "--checkpoint", str(tmp_path / "long"),
+                             "--port", str(port), "--no-accel", "--shutdown-timeout", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        assert proc.stdout.readline() == f"listening on http://127.0.0.1:{port}\n"
+        said: dict[str, bytes] = {}
+
+        def ask(stream: bool) -> None:
+            body = json.dumps({"model": "long", "prompt": "KING", "max_tokens": 2000, "ignore_eos": True,
+                               "stream": stream}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    said[f"{stream} {r.status}"] = r.read()
+            except urllib.error.HTTPError as e:
+                said[f"{stream} {e.code}"] = e.read()
+
+        threads = [threading.Thread(target=ask, args=(stream,)) for stream in (False, True)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # both replies generating
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as r:
+                if json.loads(r.read())["active"] == 2:
+                    break
+            assert not said, said  # refused, or over already
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(timeout=60)
+        assert proc.wait(timeout=60) == 0
+        err = proc.stderr.read()
+        assert "Traceback" not in err and "CancelledError" not in err, err
+        plain = json.loads(said["False 500"])
+        assert plain["error"]["message"] == "the server shut down before the reply finished", plain
+        events = [line for line in said["True 200"].decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and "shut down before the reply finished" in events[-2], events[-3:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_serve_refuses_an_encoder_before_timing_routes(tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
@@ -226,11 +227,54 @@ def test_a_lone_surrogate_is_400_and_a_huge_prompt_is_refused_before_tokenizing(
                         ("completions", {"prompt": "\ud800 hi"})):
         status, reply = post(f"{url}/v1/{route}", json.dumps({"model": MODEL_ID, **body}).encode())
         assert status == 400 and "lone UTF-16 surrogate" in reply["error"]["message"], reply
-    huge = "word " * 2_000_000  # 10 MB: tokenizing it took 13 s here, while every other client waited
+    huge = "word " * 40_000  # 200 kB, more than 2048 tokens of this vocabulary can spell: refused untokenized
     status, reply = post(f"{url}/v1/completions", json.dumps({"model": MODEL_ID, "prompt": huge}).encode())
     assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
     assert "bytes of text cannot fit the context" in reply["error"]["message"]  # the check before tokenizing
     assert get_json(f"{url}/health")["status"] == "ok"
+
+
+def test_an_oversized_or_malformed_body_is_refused_as_it_arrives(server):
+    """A body larger than any text the context could hold is a 413, by its declared length or, chunked, as it
+    arrives (a 400 MiB body was read whole); JSON that Python's parser rejects past its limits (an integer of 5000
+    digits, arrays nested 100 000 deep) is a 400, not a 500; a 405 names the allowed method."""
+    url, _ = server
+    host, port = url.removeprefix("http://").split(":")
+    for chunked in (False, True):  # a declared length is refused before any of the body; chunked, at the limit
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader(*(("Transfer-Encoding", "chunked") if chunked else ("Content-Length", str(400 << 20))))
+        conn.endheaders()
+        try:
+            for _ in range(64 if chunked else 0):  # 4 MiB, past this server's limit
+                conn.send(b"10000\r\n" + b"w" * 65536 + b"\r\n")
+        except (BrokenPipeError, ConnectionResetError):  # the server answered and closed: what it said follows
+            pass
+        reply = conn.getresponse()
+        assert reply.status == 413 and b"larger than this server takes" in reply.read(), chunked
+        conn.close()
+    for raw in (b'{"model": "tiny", "prompt": "hi", "seed": 1' + b"9" * 5000 + b"}", b"[" * 100_000 + b"]" * 100_000):
+        status, reply = post(f"{url}/v1/completions", raw)
+        assert status == 400 and "not valid JSON" in reply["error"]["message"], reply
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(f"{url}/v1/completions", timeout=30)
+    assert e.value.code == 405 and e.value.headers["Allow"] == "POST"
+    assert get_json(f"{url}/health")["status"] == "ok"
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("chat/completions", {"messages": HELLO, "prompt": "hi"}, "prompt"),
+    ("completions", {"prompt": "hi", "messages": HELLO}, "messages"),
+    ("chat/completions", {"messages": [{"role": "assistant", "content": "", "tool_calls": [{}]}]},
+     "messages[0].tool_calls"),
+    ("completions", {"prompt": "hi", "stop": ["x" * 1025]}, "stop")])
+def test_what_an_endpoint_would_ignore_is_refused(server, route, body, param):
+    """The other endpoint's input, a message's tool calls (the prompt would not hold them) and a stop string past
+    1024 characters (checked every token, on the thread every request shares) are 400s naming the field."""
+    url, _ = server
+    status, reply = post(f"{url}/v1/{route}", json.dumps({"model": MODEL_ID, **body}).encode())
+    assert status == 400 and reply["error"]["param"] == param, reply
 
 
 def test_disconnect_cancels_the_request_and_frees_its_slot(server):

@@ -41,6 +41,9 @@ def create_app(engine: Engine, tokenizer, model_name: str,
     longest_token = max([*tokenizer.byte_lengths(),
                          *(len((tokenizer.token(i) or "").encode("utf-8")) for i in tokenizer.special_ids)], default=1)
     text_limit = engine.context * max(longest_token, 1)
+    # a body holds that text at most 6 bytes a character (JSON's \uXXXX) plus the fields around it: anything larger
+    # is refused as it arrives, before it fills memory (a 400 MiB body was read whole: +770 MiB, streams stalled)
+    body_limit = 6 * text_limit + (1 << 20)
 
     def _check_size(param: str, texts: list[str]) -> None:
         size = sum(len(t.encode("utf-8")) for t in texts)
@@ -62,22 +65,22 @@ def create_app(engine: Engine, tokenizer, model_name: str,
         return JSONResponse(card)
 
     async def chat(http: HTTPRequest):
-        body = protocol.parse_chat(await _json(http))
+        body = protocol.parse_chat(await _json(http, body_limit))
         _check_model(body.model)
         if not getattr(tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
         _check_size("messages", [m["content"] for m in body.messages])
-        try:
-            ids = chat_prompt_ids(tokenizer, body.messages)
+        try:  # off the event loop: many short messages pass the size check and still take seconds to render
+            ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, body.messages)
         except ValueError as e:
             raise protocol.bad("messages", f"the chat template cannot render them: {e}") from e
         return await _run(http, body, ids, chat_stop_ids, chat=True, param="messages")
 
     async def completions(http: HTTPRequest):
-        body = protocol.parse_completion(await _json(http))
+        body = protocol.parse_completion(await _json(http, body_limit))
         _check_model(body.model)
         _check_size("prompt", [body.prompt])
-        ids = encode_prompt(body.prompt)
+        ids = await asyncio.to_thread(encode_prompt, body.prompt)
         return await _run(http, body, ids, eos, chat=False, param="prompt")
 
     def _check_model(name: str) -> None:
@@ -172,7 +175,8 @@ def create_app(engine: Engine, tokenizer, model_name: str,
         """An unknown route or method answers in the API's error form too, which clients parse."""
         what = (f"no route {http.url.path}; this server has /v1/completions, /v1/chat/completions, /v1/models and "
                 "/health") if exc.status_code == 404 else f"{http.method} {http.url.path}: {exc.detail}"
-        return JSONResponse(APIError(exc.status_code, what).body(), status_code=exc.status_code)
+        return JSONResponse(APIError(exc.status_code, what).body(), status_code=exc.status_code,
+                            headers=exc.headers)  # a 405 says which methods are allowed
 
     async def on_error(_: HTTPRequest, exc: Exception) -> JSONResponse:
         return JSONResponse(APIError(500, f"{type(exc).__name__}: {exc}").body(), status_code=500)
@@ -188,10 +192,22 @@ def create_app(engine: Engine, tokenizer, model_name: str,
                                                         Exception: on_error})
 
 
-async def _json(http: HTTPRequest):
+async def _json(http: HTTPRequest, limit: int):
+    """The request's JSON body, read up to ``limit`` bytes (413 past it: a declared length is refused at once)."""
+    declared = http.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body ({declared} bytes) is larger than this server takes ({limit} bytes: "
+                            f"more text than the context holds)")
+    chunks, size = [], 0
+    async for chunk in http.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body is larger than this server takes ({limit} bytes: more text than "
+                                f"the context holds)")
+        chunks.append(chunk)
     try:
-        body = json.loads(await http.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:  # ValueError: also an integer of 5000 digits
         raise APIError(400, f"the request body is not valid JSON: {e}") from e
     try:  # JSON's \ud800-\udfff escapes decode to lone surrogates, which are no text: a tokenizer cannot read them
         json.dumps(body, ensure_ascii=False).encode("utf-8")

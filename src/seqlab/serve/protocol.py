@@ -86,6 +86,11 @@ def _bool(body: dict, name: str, param: str | None = None) -> bool:
     return value
 
 
+# characters of one stop string: every generated token checks the reply's tail against each one's prefixes, on
+# the engine thread every request shares (four of 100 000 characters cost 5.8 ms a token instead of 0.36)
+STOP_MAX_CHARS = 1024
+
+
 def _stop(body: dict) -> list[str]:
     value = body.get("stop")
     if value is None:
@@ -94,6 +99,8 @@ def _stop(body: dict) -> list[str]:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) and s for s in value) or len(value) > 4:
         raise bad("stop", "must be a non-empty string or a list of at most 4 non-empty strings")
+    if any(len(s) > STOP_MAX_CHARS for s in value):
+        raise bad("stop", f"a stop string may hold at most {STOP_MAX_CHARS} characters")
     return value
 
 
@@ -125,10 +132,13 @@ def _neutral(value: Any, neutral: tuple) -> bool:
     return any(value is n if isinstance(value, bool) or isinstance(n, bool) else value == n for n in neutral)
 
 
-def _common(body: Any) -> GenerationRequest:
+def _common(body: Any, text_field: str) -> GenerationRequest:
+    """The fields both endpoints share; ``text_field`` is the endpoint's own input ("messages" or "prompt"), and
+    the other endpoint's is refused like any unknown field (it would be ignored)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    unknown = sorted(k for k in body if k not in _READ and k not in _NO_EFFECT and k not in _NOT_IMPLEMENTED)
+    known = (_READ - {"messages", "prompt"}) | {text_field} | _NO_EFFECT | _NOT_IMPLEMENTED.keys()
+    unknown = sorted(k for k in body if k not in known)
     if unknown:
         raise bad(unknown[0], "is not a field this server knows; it is refused rather than ignored")
     for name, neutral in _NOT_IMPLEMENTED.items():
@@ -157,7 +167,7 @@ def _common(body: Any) -> GenerationRequest:
 
 
 def parse_chat(body: Any) -> GenerationRequest:
-    req = _common(body)
+    req = _common(body, "messages")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "must be a non-empty list of {role, content} objects")
@@ -165,6 +175,10 @@ def parse_chat(body: Any) -> GenerationRequest:
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise bad(f"messages[{i}]", "must be an object with role and content")
+        extra = sorted(k for k, v in m.items() if k not in ("role", "content") and v not in (None, "", []))
+        if extra:  # a tool call, its id or a speaker's name: the prompt would not say it, so refused, not dropped
+            raise bad(f"messages[{i}].{extra[0]}", "is not supported by this server; it is refused rather than "
+                                                   "left out of the prompt")
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise bad(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {role!r}")
@@ -181,7 +195,7 @@ def parse_chat(body: Any) -> GenerationRequest:
 
 
 def parse_completion(body: Any) -> GenerationRequest:
-    req = _common(body)
+    req = _common(body, "prompt")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
