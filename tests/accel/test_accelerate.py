@@ -1,6 +1,7 @@
 """accelerate(): same numbers as the plain model (per-dtype tolerances), choices by measurement, cache per CPU."""
 import copy
 import dataclasses
+import json
 import time
 
 import pytest
@@ -246,6 +247,61 @@ def test_the_calibration_time_counts_every_step_that_measured_and_nothing_read_f
     accelerate(model, "decode", rows=1, dtype="fp32", budget_s=0.3)
     assert model.accel_plan.calibration_s == 0.0
     assert f"timings from {plan.cache_file}" in model.accel_plan.summary()
+
+
+def test_a_hand_edited_cache_is_measured_again_not_trusted(capsys):
+    """Entries that are not timings (a string, a negative or NaN time) or lack what a choice needs (an emptied step
+    entry) once crashed every command or won their choice: they are said once, measured again and written back."""
+    model = tiny_model()
+    accelerate(model, "decode", rows=1, dtype="fp32", budget_s=0.3)
+    path = calibrate.cache_path(current_signature())
+    doc = json.loads(path.read_text())
+    entries = doc["entries"]
+    product = next(k for k in entries if k.startswith("decode|fp32|rows=1|"))
+    steps = [k for k in entries if k.startswith("step|")]
+    entries[product] = {**entries[product], "dense": "fast", "onednn-packed": -1.0}
+    for k in steps:
+        entries[k] = {}
+    path.write_text(json.dumps(doc))
+    capsys.readouterr()
+    again = accelerate(tiny_model(), "decode", rows=1, dtype="fp32", budget_s=0.3)
+    assert "of its entries are not timings" in capsys.readouterr().err
+    assert again.accel_plan.calibration_s > 0
+    fixed = json.loads(path.read_text())["entries"]
+    assert all(isinstance(v, float) and v > 0 for v in fixed[product].values())
+    assert all(fixed[k] for k in steps)  # the fused-step check timed again, where a fused step exists
+
+
+def test_a_callers_own_route_keeps_its_own_cache_entries():
+    """Timings taken with a route a caller added stay that caller's: a later accelerate() without it neither
+    chooses it nor stumbles on it (a KeyError once), and takes the plain entries."""
+    model = tiny_model()
+    accelerate(model, "decode", rows=1, dtype="fp32", budget_s=0.3, fused=False,
+               routes=[type("Always", (PackedRoute,), {"name": "always"})()])
+    plain = accelerate(tiny_model(), "decode", rows=1, dtype="fp32", budget_s=0.3, fused=False)
+    assert all(c.route != "always" and "always" not in c.timings_s for c in plain.accel_plan.shapes["fp32"])
+    entries = calibrate.load_cache(current_signature())
+    assert any("routes=always" in k for k in entries) and any(
+        k.startswith("decode|") and "routes=" not in k for k in entries)
+
+
+def test_restore_plain_gives_back_the_dtype_and_what_trained(monkeypatch):
+    """After a bf16 plan, restore_plain casts the model back to fp32 (its values keep bf16's rounding); packed
+    layers come back as trainable as they were (a restore once froze them)."""
+    monkeypatch.setattr(accel_apply, "native_bf16", lambda: True)
+    model = tiny_model(tie=False)
+    accelerate(model, "decode", rows=2, dtype="bf16", budget_s=0.3, fused=False, verify=False)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    restore_plain(model)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    model = tiny_model(tie=False)
+    for name, layer in [(n, m) for n, m in model.named_modules() if type(m) is nn.Linear]:  # as a packed route does
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, PackedLinear(layer))
+    restore_plain(model)
+    assert all(p.requires_grad for p in model.parameters())
+    model(_ids()).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
 
 
 def test_restore_plain_and_the_off_switch(monkeypatch):

@@ -186,8 +186,8 @@ def accelerate_into_the_trap(model):
     use = Use("decode", 1, torch.float32)
     shapes = Counter((m.in_features, m.out_features, m.bias is not None) for m in model.modules()
                      if type(m) is nn.Linear)
-    calibrate.store_cache(current_signature(), {calibrate.shape_key(use, *s): {"dense": 1.0, "trap": 0.1}
-                                                for s in shapes})
+    calibrate.store_cache(current_signature(), {calibrate.shape_key(use, *s, extra_routes=["trap"]):
+                                                {"dense": 1.0, "trap": 0.1} for s in shapes})
     return accelerate(model, "decode", rows=1, dtype="fp32", routes=[Trap()], fused=False)
 
 

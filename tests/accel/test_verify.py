@@ -8,7 +8,7 @@ from torch import nn
 from seqlab.accel import PackedLinear, accelerate
 from seqlab.accel import apply as accel_apply
 from seqlab.accel import calibrate
-from seqlab.accel.routes import Use
+from seqlab.accel.routes import Use, builtin_routes
 from seqlab.accel.verify import time_pass
 from seqlab.runtime.cpu import current_signature
 
@@ -26,8 +26,9 @@ def _seed_cache_in_favour_of(route: str, model: nn.Module, use: Use) -> None:
     """Per-shape timings that make ``route`` the clear winner on every shape of ``model``."""
     shapes = Counter((m.in_features, m.out_features, m.bias is not None) for m in model.modules()
                      if type(m) is nn.Linear)
-    calibrate.store_cache(current_signature(), {calibrate.shape_key(use, *s): {"dense": 1.0, route: 0.1}
-                                                for s in shapes})
+    extra = [] if route in {r.name for r in builtin_routes()} else [route]  # a caller's route: its own entries
+    calibrate.store_cache(current_signature(), {calibrate.shape_key(use, *s, extra_routes=extra):
+                                                {"dense": 1.0, route: 0.1} for s in shapes})
 
 
 def test_routes_that_lose_the_whole_pass_are_dropped_and_the_verdict_is_cached():

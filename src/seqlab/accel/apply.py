@@ -200,7 +200,8 @@ def _candidate_dtypes(model: nn.Module, for_: str, rows: int, dtype: str | torch
 
 
 def plan_for(model: nn.Module, for_: str = "decode", *, rows: int | None = None,
-             dtype: str | torch.dtype | None = "auto", routes: Sequence[Route] = (), budget_s: float = DEFAULT_BUDGET_S, use_cache: bool = True) -> AccelPlan:
+             dtype: str | torch.dtype | None = "auto", routes: Sequence[Route] = (), budget_s: float = DEFAULT_BUDGET_S,
+             use_cache: bool = True) -> AccelPlan:
     """Measure (or read from the cache) the routes for every linear shape of ``model``; change nothing."""
     if for_ not in USES:
         raise ValueError(f"accelerate: for_ must be one of {', '.join(USES)}, not {for_!r}")
@@ -214,20 +215,25 @@ def plan_for(model: nn.Module, for_: str = "decode", *, rows: int | None = None,
     dtypes = _candidate_dtypes(model, for_, rows, dtype)
     calib_rows = rows if for_ == "decode" else min(rows, MAX_CALIBRATION_ROWS)
     uses = [Use(for_, calib_rows, dt) for dt in dtypes]
-    todo = [(use, s) for use in uses for s in shapes if shape_key(use, *s) not in entries]
+    extra = {r.name for r in all_routes} - {r.name for r in builtin_routes()}
+
+    def key(use: Use, shape: tuple[int, int, bool]) -> str:
+        return shape_key(use, *shape, extra_routes=extra)
+
+    todo = [(use, s) for use in uses for s in shapes if "dense" not in entries.get(key(use, s), {})]  # (always timed)
     t0 = time.perf_counter()
-    measured = {shape_key(use, *s): time_routes(use, *s, all_routes, budget_s / len(todo)) for use, s in todo}
+    measured = {key(use, s): time_routes(use, *s, all_routes, budget_s / len(todo)) for use, s in todo}
     plan = AccelPlan(for_, rows, dtype_name(dtypes[0]), signature=sig.key(),
                      calibration_s=time.perf_counter() - t0 if todo else 0.0)
     count_measuring(plan.calibration_s)
-    entries = (store_cache(sig, measured) if use_cache else {}) | {k: v for k, v in measured.items()
-                                                                 if not use_cache}
+    entries = (store_cache(sig, measured, replace=[k for k in measured if k in entries]) if use_cache else {}) | {
+        k: v for k, v in measured.items() if not use_cache}
     if use_cache and cache_path(sig).is_file():  # (an unwritable cache folder costs a recalibration, said so)
         plan.cache_file = str(cache_path(sig))
     for use in uses:
         choices, total = [], 0.0
         for (i, o, b), n in shapes.items():
-            timings = entries[shape_key(use, i, o, b)]
+            timings = entries[key(use, (i, o, b))]
             best = fastest(timings)
             choices.append(ShapeChoice(i, o, n, best, timings))
             total += n * timings[best]
@@ -249,9 +255,14 @@ def _all_routes(extra: Sequence[Route]) -> list[Route]:
 
 
 def restore_plain(model: nn.Module) -> nn.Module:
-    """Undo :func:`accelerate` in place: every accelerated layer back to a plain ``nn.Linear``, and the installed
-    prefill routes, fused step and plan removed."""
+    """Undo :func:`accelerate` in place: every accelerated layer back to a plain ``nn.Linear`` (trainable as it
+    was; a packed one's Parameters are new, so build an optimizer after this), the installed prefill routes, fused
+    step and plan removed, and a model that a bf16 plan cast back in the dtype it had (its values keep bf16's
+    rounding: keep a copy of the model to return to the exact fp32 weights)."""
     _restore_plain_layers(model)
+    plain_dtype = model.__dict__.pop("accel_plain_dtype", None)
+    if plain_dtype is not None:
+        model.to(plain_dtype)
     uninstall_gelu(model)
     uninstall_norm(model)
     uninstall_pointwise(model)
@@ -269,9 +280,9 @@ def _restore_plain_layers(model: nn.Module) -> None:
             plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
             if isinstance(m, TrainLinear):
                 plain.weight, plain.bias = m.weight, m.bias  # the same Parameters: optimizers keep working
-            else:
-                plain.weight = nn.Parameter(m.weight, requires_grad=False)
-                plain.bias = None if m.bias is None else nn.Parameter(m.bias.detach(), requires_grad=False)
+            else:  # new Parameters (the packed layer kept no dense one), trainable as they were before packing
+                plain.weight = nn.Parameter(m.weight, requires_grad=m.trainable[0])
+                plain.bias = None if m.bias is None else nn.Parameter(m.bias.detach(), requires_grad=m.trainable[1])
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, child, plain)
 
@@ -311,7 +322,9 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
         return model  # the plain model: the switch that tells a slow route from a wrong one
     plan = plan_for(model, for_, rows=rows, dtype=dtype, routes=routes, budget_s=budget_s, use_cache=use_cache)
     compute = {"fp32": torch.float32, "bf16": torch.bfloat16}[plan.dtype]
-    if for_ != "train" and compute != next((p.dtype for p in model.parameters() if p.is_floating_point()), compute):
+    current = next((p.dtype for p in model.parameters() if p.is_floating_point()), compute)
+    if for_ != "train" and compute != current:
+        model.__dict__.setdefault("accel_plain_dtype", current)  # restore_plain casts back to it
         model.to(compute)
     if for_ != "train":  # weights streamed once per step: on 2 MiB pages where the kernel has them
         plan.huge_page_bytes = move_to_huge_pages([*model.parameters(), *model.buffers()])

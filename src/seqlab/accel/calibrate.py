@@ -15,9 +15,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
+import math
 import os
+import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -91,41 +93,78 @@ def cache_path(sig: CpuSignature) -> Path:
     return cache_dir() / f"accel-{sig.key()}.json"
 
 
-def shape_key(use: Use, in_features: int, out_features: int, bias: bool) -> str:
-    """The shape class a measurement stands for: use, dtype, rows, product shape, bias."""
-    return f"{use.for_}|{dtype_name(use.dtype)}|rows={use.rows}|{in_features}x{out_features}|bias={int(bias)}"
+def shape_key(use: Use, in_features: int, out_features: int, bias: bool, extra_routes: Collection[str] = ()) -> str:
+    """The shape class a measurement stands for: use, dtype, rows, product shape, bias, and the routes a caller
+    added to seqlab's own (timed with them, an entry is no choice for a caller that cannot run them, nor the
+    reverse)."""
+    extra = f"|routes={'+'.join(sorted(extra_routes))}" if extra_routes else ""
+    return f"{use.for_}|{dtype_name(use.dtype)}|rows={use.rows}|{in_features}x{out_features}|bias={int(bias)}{extra}"
+
+
+_WARNED: set[str] = set()  # cache files whose malformed entries this process has reported
+
+
+def _is_timing(entry: object) -> bool:
+    """A cache entry as calibration writes it: route (or candidate) names to positive, finite seconds (none where
+    nothing was timed, e.g. a prefill with no length to time; an entry's callers say which names they need)."""
+    return isinstance(entry, dict) and all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        for k, v in entry.items())
+
+
+def _say_once(path: Path, what: str) -> None:
+    if str(path) not in _WARNED:
+        _WARNED.add(str(path))
+        print(f"[seqlab] {path}: {what}; measured again", file=sys.stderr)
 
 
 def load_cache(sig: CpuSignature) -> dict[str, dict[str, float]]:
-    """The cached timings (shape key -> route -> seconds per call) for ``sig``; empty if absent or stale."""
+    """The cached timings (shape key -> route -> seconds per call) for ``sig``; empty if absent or stale. Entries
+    that are not timings (a hand edit, a negative or NaN time, an emptied entry) are left out, said once, and
+    measured again: they could crash a choice or win it."""
     path = cache_path(sig)
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
     except (OSError, ValueError):
+        _say_once(path, "not a readable calibration cache")
         return {}
     if not isinstance(doc, dict) or doc.get("format") != _FORMAT or doc.get("signature") != sig.to_dict():
         return {}  # measured on another CPU, under other ISA caps, or with another torch: worthless here
     entries = doc.get("entries")
-    return entries if isinstance(entries, dict) else {}
+    if not isinstance(entries, dict):
+        _say_once(path, "its entries are not a JSON object")
+        return {}
+    kept = {k: v for k, v in entries.items() if _is_timing(v)}
+    if len(kept) < len(entries):
+        bad = next(k for k in entries if k not in kept)
+        _say_once(path, f"{len(entries) - len(kept)} of its entries are not timings (e.g. {bad!r})")
+    return kept
 
 
-def store_cache(sig: CpuSignature, new: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+def store_cache(sig: CpuSignature, new: dict[str, dict[str, float]],
+                replace: Collection[str] = ()) -> dict[str, dict[str, float]]:
     """Merge ``new`` into the cache file and return the merged entries, which the caller must use.
 
     Entries already in the file win over new ones, under a lock: processes that calibrate the same shape at the
     same time (test workers, DDP ranks) all end up with one choice, so a resumed run takes the routes its first
-    run took. An unwritable cache only costs a recalibration next time.
+    run took. ``replace`` names entries of ``new`` that win instead (the file's lacked what is timed now). An
+    unwritable cache only costs a recalibration next time.
     """
+    def merged() -> dict[str, dict[str, float]]:
+        return {**new, **load_cache(sig), **{k: new[k] for k in replace if k in new}}
+
     try:
         cache_dir().mkdir(parents=True, exist_ok=True)
         with open(cache_path(sig).with_suffix(".lock"), "a+") as lock:
             if fcntl is not None:
                 fcntl.flock(lock, fcntl.LOCK_EX)
-            entries = {**new, **load_cache(sig)}
+            entries = merged()
             atomic_write_json(cache_path(sig), {"format": _FORMAT, "signature": sig.to_dict(), "entries": entries})
         return entries
     except OSError:
-        return {**new, **load_cache(sig)}
+        return merged()
 
 
 def _probe_layer(in_features: int, out_features: int, bias: bool, dtype: torch.dtype, seed: int) -> nn.Linear:
@@ -235,15 +274,18 @@ def fastest(timings: dict[str, float], plain: str = "dense") -> str:
     return best if timings[best] < (1.0 - MIN_GAIN) * timings[plain] else plain
 
 
-def cached_timings(key: str, measure: Callable[[], dict[str, float]], use_cache: bool = True) -> dict[str, float]:
-    """The cache entry ``key`` of this CPU signature, where an earlier process stored it; else ``measure()``,
-    stored (and, where another process stored the entry meanwhile, that one: all end up with one choice)."""
+def cached_timings(key: str, measure: Callable[[], dict[str, float]], use_cache: bool = True,
+                   required: Collection[str] = ()) -> dict[str, float]:
+    """The cache entry ``key`` of this CPU signature, where an earlier process stored it with every ``required``
+    timing; else ``measure()``, stored (and, where another process stored the entry meanwhile, that one: all end
+    up with one choice)."""
     sig = current_signature()
-    timings = dict(load_cache(sig).get(key, {})) if use_cache else {}
-    if not timings:
+    cached = load_cache(sig).get(key) if use_cache else None
+    timings = dict(cached or {})
+    if not timings or not set(required) <= timings.keys():
         timings = measured(measure)
-        if use_cache:
-            timings = dict(store_cache(sig, {key: timings})[key])
+        if use_cache:  # the file's entry, where it lacked what is needed, gives way to this one
+            timings = dict(store_cache(sig, {key: timings}, replace=[key] if cached is not None else ())[key])
     return timings
 
 
@@ -257,7 +299,7 @@ def builds_per_dtype(dtypes: Sequence[torch.dtype], key: Callable[[torch.dtype],
     builds, all_timings = {}, {}
     for dtype in dtypes:
         named = candidates(dtype)
-        timings = cached_timings(key(dtype), lambda: measure(dtype, named), use_cache)
+        timings = cached_timings(key(dtype), lambda: measure(dtype, named), use_cache, required=[plain, *named])
         best = fastest({k: v for k, v in timings.items() if k == plain or k in named}, plain=plain)
         if best in named:
             builds[dtype] = best
@@ -271,11 +313,11 @@ def describe_builds(builds: Mapping[torch.dtype, str]) -> str:
 
 
 def timings_by_size(key: str, sizes: Sequence[int], time_at: Callable[[int], dict[str, float]],
-                    use_cache: bool = True) -> dict[str, float]:
+                    use_cache: bool = True, names: Sequence[str] = ()) -> dict[str, float]:
     """``{"<candidate>@<size>": seconds}`` for every size, from ``time_at(size)`` (candidate -> seconds) or from the
-    cache entry ``key`` of this CPU signature, where an earlier process stored it."""
+    cache entry ``key`` of this CPU signature, where an earlier process stored it with every one of ``names``."""
     return cached_timings(key, lambda: {f"{name}@{n}": s for n in sizes for name, s in time_at(n).items()},
-                          use_cache)
+                          use_cache, required=[f"{name}@{n}" for name in names for n in sizes])
 
 
 def winning_from(timings: dict[str, float], builds: Sequence[str], sizes: Sequence[int], plain: str,

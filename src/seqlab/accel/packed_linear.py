@@ -59,6 +59,9 @@ class PackedLinear(nn.Module):
         _LIVE[self.handle] = self
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.rows_hint = int(rows_hint)
+        # which of weight and bias trained before packing: restore_plain gives that back (packed, neither can)
+        self.trainable = getattr(linear, "trainable", None) or (
+            linear.weight.requires_grad, linear.bias is not None and linear.bias.requires_grad)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.packed = self._pack(linear.weight.detach())  # a PackedLinear's .weight is its unpacked copy
 

@@ -181,6 +181,7 @@ def choose_pointwise(model: nn.Module, use_cache: bool = True) -> tuple[Kernels 
     shape = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff)
     key = (f"pointwise|{'x'.join(map(str, shape))}|{'+'.join(isas)}|{'+'.join(map(str, ROWS))}|"
            f"{native.source_key(sources())}")
-    timings = timings_by_size(key, ROWS, lambda n: time_pointwise(*shape, n, isas), use_cache)
+    timings = timings_by_size(key, ROWS, lambda n: time_pointwise(*shape, n, isas), use_cache,
+                              names=[*isas, "torch"])
     isa, min_rows = winning_from(timings, isas, ROWS, "torch", MIN_SPEEDUP)
     return (Kernels(isa, min_rows) if min_rows is not None else None), timings

@@ -279,7 +279,7 @@ def choose_prefill_cast(model: nn.Module, use_cache: bool = True, allow_bf16: bo
     install(model)  # the layers' oneDNN switch, before anything is timed
     lengths = [n for n in LENGTHS if n <= model.config.max_seq_len]
     key = prefill_key(model, allow_bf16)
-    timings = timings_by_size(key, lengths, lambda n: time_prefills(model, n, casts), use_cache)
+    timings = timings_by_size(key, lengths, lambda n: time_prefills(model, n, casts), use_cache, names=list(casts))
     steps: list[PrefillCast] = []
     for length in LENGTHS:
         dtype = _winner(timings, length, steps[-1].dtype if steps else None)
@@ -289,7 +289,7 @@ def choose_prefill_cast(model: nn.Module, use_cache: bool = True, allow_bf16: bo
     for cast in reversed(steps):
         chained = PrefillCast(cast.dtype, cast.min_tokens, chained)
     if chained is not None and "onednn" in casts:  # the head's product, timed on its own (one row, its weight)
-        head = cached_timings(f"head|{key}", lambda: time_head(model), use_cache)
+        head = cached_timings(f"head|{key}", lambda: time_head(model), use_cache, required=["onednn", "fp32"])
         timings = {**timings, **{f"head {name}": t for name, t in head.items()}}
         if head["onednn"] * ONEDNN_MIN_SPEEDUP <= head["fp32"]:
             chained = dataclasses.replace(chained, head_onednn=True)

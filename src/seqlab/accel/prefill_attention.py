@@ -196,6 +196,6 @@ def choose_attention(n_heads: int, n_kv: int, head_dim: int, max_len: int, use_c
         return AttentionChoice(None, 0, {})
     key = attention_key(n_heads, n_kv, head_dim, isas, lengths, dtype)
     timings = timings_by_size(key, lengths, lambda n: time_attention(n_heads, n_kv, head_dim, n, isas, dtype),
-                              use_cache)
+                              use_cache, names=[*isas, "sdpa"])
     isa, min_len = winning_from(timings, isas, lengths, "sdpa", MIN_SPEEDUP)
     return AttentionChoice(isa if min_len is not None else None, min_len or 0, timings)

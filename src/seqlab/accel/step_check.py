@@ -71,6 +71,7 @@ def choose_fused(model: nn.Module, rows: int, use_cache: bool = True) -> tuple[f
         return None, {}
     candidates = {isa: fused_step.FusedDecodeStep(model, isa) for isa in isas}
     steps = {PLAIN: lambda t, c: decode_step(model, t, c), **candidates}
-    timings = cached_timings(step_key(model, rows), lambda: time_steps(model, rows, steps), use_cache)
+    timings = cached_timings(step_key(model, rows), lambda: time_steps(model, rows, steps), use_cache,
+                             required=list(steps))
     best = fastest({k: v for k, v in timings.items() if k == PLAIN or k in candidates}, plain=PLAIN)
     return candidates.get(best), timings
