@@ -101,6 +101,48 @@ def test_bart(tmp_path):
     _close(mine, theirs, dec_mask)
 
 
+@pytest.mark.parametrize("option", [{"scale_attn_by_inverse_layer_idx": True}, {"scale_attn_weights": False}])
+def test_gpt2_attention_scalings_seqlab_lacks_are_refused(tmp_path, option):
+    """Either option changes every attention score (5e-3 and 8e-2 in the logits): refused by name, not ignored."""
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=101, n_positions=32, n_embd=64, n_layer=2,
+                                                              n_head=4, **option))
+    with pytest.raises(CheckpointError, match=f"GPT-2 {next(iter(option))}="):
+        load_hf(_save(hf, tmp_path))
+
+
+def test_gpt2_and_bert_keep_pad_ids_silu_and_untied_heads(tmp_path):
+    """A GPT-2 with silu and a pad id, and an untied BERT (whose head adds cls.predictions.decoder.bias, no longer
+    the same tensor as cls.predictions.bias in transformers 5), load to HF's logits and export back to them."""
+    from seqlab.io.export_hf import export_hf
+
+    gpt2 = _randomise(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4, activation_function="silu", pad_token_id=3)))
+    bert = _randomise(transformers.BertForMaskedLM(transformers.BertConfig(
+        vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=32, hidden_act="silu", tie_word_embeddings=False)))
+    for name, hf in (("gpt2", gpt2), ("bert", bert)):
+        ours = load_hf(_save(hf, tmp_path / name))
+        ids, mask = _right_padded(101)
+        with torch.no_grad():
+            _close(ours(ids, attention_mask=mask), hf(ids, attention_mask=mask).logits, mask)
+        again = getattr(transformers, type(hf).__name__).from_pretrained(export_hf(ours, tmp_path / f"{name}-out"))
+        with torch.no_grad():
+            _close(ours(ids, attention_mask=mask), again.eval()(ids, attention_mask=mask).logits, mask)
+        assert load_hf(tmp_path / f"{name}-out").config == ours.config
+    assert load_hf(tmp_path / "gpt2").config.pad_token_id == 3
+
+
+def test_bart_with_untied_token_tables_is_refused(tmp_path):
+    """seqlab's encoder-decoder shares one token table; a BART whose encoder, decoder or head tables differ from it
+    (tie_word_embeddings false) is refused, not loaded on the shared one alone (logits off by 1.8)."""
+    hf = _randomise(transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=101, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=32,
+        tie_word_embeddings=False)))
+    with pytest.raises(CheckpointError, match="differs from model.shared.weight"):
+        load_hf(_save(hf, tmp_path))
+
+
 def test_save_load_round_trip(tmp_path):
     hf = _randomise(transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,

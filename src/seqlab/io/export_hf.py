@@ -234,6 +234,7 @@ def bert_hf_weights(cfg: ModelConfig, sd: dict, model_type: str) -> dict[str, Te
     _norm_out(out, "cls.predictions.transform.LayerNorm", sd, "lm_head.transform.2")
     out["cls.predictions.decoder.weight"] = sd["lm_head.proj.weight"]
     out["cls.predictions.bias"] = sd["lm_head.proj.bias"]
+    out["cls.predictions.decoder.bias"] = sd["lm_head.proj.bias"].clone()  # the one HF's head adds when untied
     return out
 
 

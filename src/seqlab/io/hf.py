@@ -74,15 +74,36 @@ def _norm(out: dict, dst: str, src: _Tensors, name: str, bias: bool = True) -> N
 
 
 # ---------------------------------------------------------------------------------------------------- GPT-2
+def _activation(table: dict[str, str], name: str, family: str) -> str:
+    """seqlab's name for a config's activation, or a refusal naming the ones this family's import reads."""
+    if name not in table:
+        raise CheckpointError(f"{family} activation {name!r} is not supported (supported: {', '.join(table)})")
+    return table[name]
+
+
+def _take_tied(src: _Tensors, name: str, table: Tensor, what: str) -> None:
+    """Consume ``name``, a copy of ``table`` in a tied checkpoint; refuse one that differs: seqlab's model keeps one
+    table there, and silently keeping only ``what`` would compute something else."""
+    if src.has(name):
+        if not torch.equal(src.take(name), table):
+            raise CheckpointError(f"{src.prefix}{name} differs from {what} (untied weights): this architecture "
+                                  f"shares one token table in seqlab, so it cannot be loaded")
+
+
 def gpt2_config(hf: dict) -> ModelConfig:
-    act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+    act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
+           "silu": "silu", "swish": "silu"}
+    for key, plain in (("scale_attn_by_inverse_layer_idx", False), ("scale_attn_weights", True)):
+        if bool(hf.get(key, plain)) != plain:  # both change the attention scores; seqlab scales by 1/sqrt(d) only
+            raise CheckpointError(f"GPT-2 {key}={hf[key]!r} is not supported (attention scaled by 1/sqrt(head_dim) "
+                                  f"only)")
     return ModelConfig(
         arch="decoder", vocab_size=hf["vocab_size"], d_model=hf["n_embd"], n_layers=hf["n_layer"],
         n_heads=hf["n_head"], d_ff=hf.get("n_inner") or 4 * hf["n_embd"], max_seq_len=hf["n_positions"],
         pos="learned", norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5), pre_norm=True, mlp="gelu",
-        activation=act[hf.get("activation_function", "gelu_new")], bias=True,
+        activation=_activation(act, hf.get("activation_function", "gelu_new"), "GPT-2"), bias=True,
         tie_embeddings=hf.get("tie_word_embeddings", True),
-        bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"),
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
         extra={"source": "hf:gpt2"},
     )
 
@@ -201,7 +222,8 @@ def _bias_or_zeros(src: _Tensors, name: str, size: int) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------------- BERT
 def bert_config(hf: dict) -> ModelConfig:
-    act = {"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu", "gelu_pytorch_tanh": "gelu_tanh"}
+    act = {"gelu": "gelu", "gelu_new": "gelu_tanh", "relu": "relu", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu",
+           "swish": "silu"}
     if hf.get("position_embedding_type", "absolute") != "absolute":
         raise CheckpointError(f"BERT position_embedding_type={hf['position_embedding_type']!r} is not supported")
     return ModelConfig(
@@ -209,7 +231,8 @@ def bert_config(hf: dict) -> ModelConfig:
         n_heads=hf["num_attention_heads"], d_ff=hf["intermediate_size"],
         max_seq_len=hf.get("max_position_embeddings", 512), pos="learned", norm="layernorm",
         norm_eps=hf.get("layer_norm_eps", 1e-12), pre_norm=False, embed_norm=True, mlp="gelu",
-        activation=act[hf.get("hidden_act", "gelu")], bias=True, tie_embeddings=hf.get("tie_word_embeddings", True),
+        activation=_activation(act, hf.get("hidden_act", "gelu"), "BERT"), bias=True,
+        tie_embeddings=hf.get("tie_word_embeddings", True),
         lm_head_bias=True, mlm_head_transform=True, type_vocab_size=hf.get("type_vocab_size", 2),
         pad_token_id=hf.get("pad_token_id"), extra={"source": "hf:bert"},
     )
@@ -238,8 +261,8 @@ def bert_weights(src: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
         _linear(out, "lm_head.transform.0", src, "cls.predictions.transform.dense", True)
         _norm(out, "lm_head.transform.2", src, "cls.predictions.transform.LayerNorm")
         out["lm_head.proj.bias"] = src.take("cls.predictions.bias")
-        if src.has("cls.predictions.decoder.bias"):
-            src.take("cls.predictions.decoder.bias")  # the same tensor as cls.predictions.bias
+        if src.has("cls.predictions.decoder.bias"):  # the bias the head's forward adds: the same tensor as the one
+            out["lm_head.proj.bias"] = src.take("cls.predictions.decoder.bias")  # above, or (untied) the one used
         _lm_head(out, src, cfg, "cls.predictions.decoder.weight")
     return out
 
@@ -256,7 +279,8 @@ def bart_config(hf: dict) -> ModelConfig:
         n_decoder_layers=hf["decoder_layers"], n_heads=hf["encoder_attention_heads"], d_ff=hf["encoder_ffn_dim"],
         max_seq_len=hf["max_position_embeddings"], pos="learned", pos_offset=2, norm="layernorm", norm_eps=1e-5,
         pre_norm=False, embed_norm=True, scale_embeddings=bool(hf.get("scale_embedding", False)), mlp="gelu",
-        activation=act[hf.get("activation_function", "gelu")], bias=True, tie_embeddings=True, lm_head_bias=True,
+        activation=_activation(act, hf.get("activation_function", "gelu"), "BART"), bias=True, tie_embeddings=True,
+        lm_head_bias=True,
         pad_token_id=hf.get("pad_token_id"), bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"), decoder_start_token_id=hf.get("decoder_start_token_id"),
         extra={"source": "hf:bart"},
@@ -267,8 +291,7 @@ def bart_weights(src: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
     src.prefix = "model."
     out = {"shared.weight": src.take("shared.weight")}
     for side, n_layers in (("encoder", cfg.n_layers), ("decoder", cfg.n_decoder_layers)):
-        if src.has(f"{side}.embed_tokens.weight"):
-            src.take(f"{side}.embed_tokens.weight")  # tied to shared
+        _take_tied(src, f"{side}.embed_tokens.weight", out["shared.weight"], "model.shared.weight")
         out[f"{side}.embed.pos.weight"] = src.take(f"{side}.embed_positions.weight")
         _norm(out, f"{side}.embed.norm", src, f"{side}.layernorm_embedding")
         for i in range(n_layers):
@@ -288,7 +311,7 @@ def bart_weights(src: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
             _norm(out, f"{b}.mlp_norm", src, f"{h}.final_layer_norm")
     src.prefix = ""
     out["lm_head.proj.bias"] = src.take("final_logits_bias").reshape(-1)
-    _lm_head(out, src, cfg, "lm_head.weight")
+    _take_tied(src, "lm_head.weight", out["shared.weight"], "model.shared.weight")
     return out
 
 
