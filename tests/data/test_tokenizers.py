@@ -191,3 +191,23 @@ def test_bits_per_byte_divides_by_the_texts_own_bytes(tmp_path):
     score = score_text(model, tok, text)
     assert score.bytes == len(text.encode("utf-8")) == 16
     assert abs(score.bits_per_byte - score.nll / math.log(2) / 16) < 1e-9
+
+
+def test_a_null_special_stays_absent_and_renders_as_nothing(tmp_path):
+    """tokenizer_config.json's "bos_token": null means no BOS, as in HF: not a guess among the specials (Qwen2's
+    <|endoftext|>); a template's {{ bos_token }} then renders as nothing, not "None". A template's own error names
+    the tokenizer file; count_bytes refuses an id outside the vocabulary."""
+    backend = Backend(models.WordLevel({"<|endoftext|>": 0, "hi": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None, "eos_token": "<|endoftext|>",
+        "chat_template": "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"}))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    assert tok.bos_id is None and tok.eos_id == 0
+    assert tok.render_chat([{"role": "user", "content": "hi"}]) == "user: hi\n"
+    with pytest.raises(ValueError, match=r"tokenizer\.json: chat template line 1"):
+        tok.render_chat([{"role": "user", "content": "hi"}], chat_template="{% for %}")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        tok.count_bytes([1, 99])

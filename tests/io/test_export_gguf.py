@@ -8,7 +8,7 @@ to exactly what ``gguf.quants`` made of the (rope-permuted) source values.
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer as Backend, pre_tokenizers
+from tokenizers import Tokenizer as Backend, pre_tokenizers, processors
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -151,6 +151,19 @@ def test_the_pre_tokenizer_travels_or_the_export_is_refused(tmp_path, bpe):
     with pytest.raises(ExportError, match="pre-tokenizer splits text like none of llama.cpp's"):
         export_gguf(_model(bpe.vocab_size), tmp_path / "w.gguf", words)
     assert not (tmp_path / "w.gguf").exists()
+
+
+def test_a_bos_the_post_processor_adds_travels_to_the_gguf(tmp_path, bpe):
+    """A Llama-3 folder adds BOS in tokenizer.json's post-processor, with no add_bos_token in its config: the GGUF
+    says add_bos_token true, so the file read back (and llama.cpp) starts prompts with BOS as seqlab did."""
+    backend = Backend.from_str(bpe.backend.to_str())
+    bos = bpe.token(bpe.bos_id)
+    backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, bpe.bos_id)])
+    tok = Tokenizer(backend, bos_id=bpe.bos_id, eos_id=bpe.eos_id, pad_id=bpe.pad_id, name="llama3-like")
+    assert not tok.add_bos_token and tok.encode("hello", add_special_tokens=True)[0] == bpe.bos_id
+    path = export_gguf(_model(bpe.vocab_size), tmp_path / "b.gguf", tok)
+    assert GGUFFile(path).metadata["tokenizer.ggml.add_bos_token"] is True
+    assert load_gguf(path)[1].encode("hello", add_special_tokens=True) == tok.encode("hello", add_special_tokens=True)
 
 
 def test_explicit_head_dim_exports_as_llama_with_key_length(tmp_path, bpe):

@@ -77,6 +77,11 @@ def test_matches_hf_renderer(template):
     "{% set ns = namespace() %}{% set ns.__dict__ = 1 %}",
     "{{ messages.append({'role': 'x'}) }}",  # the immutable sandbox refuses to mutate inputs
     "{{ raise_exception('nope') }}",
+    "{{ (10 ** (10 ** 8)) > 0 }}",  # ran for ever: ** past 10 000 digits is refused
+    "{{ ([0] * 10 ** 9) | length }}",  # 8 GB asked for: said as the template's failure, not a MemoryError
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",  # a RecursionError likewise
+    "{% for i in range(10 ** 9) %}{% endfor %}",
+    "{% include 'x.html' %}",  # no loader: there is nothing a template may read
 ])
 def test_sandbox_refuses(attack):
     with pytest.raises(ChatTemplateError):

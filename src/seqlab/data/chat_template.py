@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from datetime import datetime
 from typing import Any, Iterable, Mapping
 
@@ -116,10 +117,32 @@ class _GenerationTag(Extension):
         return caller()
 
 
+MAX_POWER_DIGITS = 10_000  # a ** b in a template: no result past this many digits (10 ** 10 ** 8 ran for ever)
+MAX_REPEAT = 10_000_000  # 'ab' * n, [0] * n: no longer result ([0] * 10 ** 9 asked for 8 GB)
+
+
+class _ChatEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox, with ``**`` and ``*`` bounded: the operators whose cost grows without bound from two small
+    numbers. (A loop can still run long; a template's loops are bounded by ``range``'s 100 000 and the messages.)"""
+
+    intercepted_binops = frozenset({"**", "*"})
+
+    def call_binop(self, context, operator, left, right):
+        if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and (
+                right * math.log10(abs(left)) > MAX_POWER_DIGITS):
+            raise jinja2.exceptions.SecurityError(f"{left} ** {right} has more than {MAX_POWER_DIGITS} digits")
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_REPEAT:
+                    raise jinja2.exceptions.SecurityError(f"a repetition of {len(seq) * n} items is past the "
+                                                          f"{MAX_REPEAT} a chat template may build")
+        return super().call_binop(context, operator, left, right)
+
+
 @functools.lru_cache(maxsize=32)
 def compile_chat_template(template: str) -> jinja2.Template:
     """Compile once per distinct template string (chat loops render the same template every turn)."""
-    env = ImmutableSandboxedEnvironment(
+    env = _ChatEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
     )
     env.filters["tojson"] = _tojson
@@ -163,9 +186,14 @@ def render_chat_template(
         raise ChatTemplateError("no chat template: the model file does not define one (pass a template string)")
     compiled = compile_chat_template(template)
     variables = {"tools": None, "documents": None, **{k: _plain(v) for k, v in extra.items()}}
+    messages = validate_messages(messages)
     try:
-        return compiled.render(messages=validate_messages(messages), add_generation_prompt=add_generation_prompt, **variables)
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.exceptions.SecurityError as e:
         raise ChatTemplateError(f"chat template tried an unsafe operation: {e}") from e
     except jinja2.exceptions.TemplateError as e:
         raise ChatTemplateError(f"chat template error: {e}") from e
+    except (MemoryError, RecursionError, OverflowError, TypeError, ValueError, ArithmeticError) as e:
+        # what a template's own code can raise (a recursive macro, [0] * 10**9, an {% include %} with no loader to
+        # read from): the template's fault, said as such, not a crash of whatever renders it
+        raise ChatTemplateError(f"chat template failed: {type(e).__name__}: {e}") from e

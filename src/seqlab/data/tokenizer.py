@@ -27,7 +27,7 @@ import torch
 from tokenizers import Tokenizer as Backend
 from tokenizers import processors
 
-from seqlab.data.chat_template import render_chat_template
+from seqlab.data.chat_template import ChatTemplateError, render_chat_template
 from seqlab.runtime import atomic_write_text
 from seqlab.runtime.files import read_json_object
 
@@ -160,7 +160,7 @@ class Tokenizer:
         for role in _ROLES:
             want = roles.pop(role, None)
             tid = backend.token_to_id(want) if isinstance(want, str) else None
-            if tid is None:
+            if tid is None and want is not False:  # False: the config says this role has no token (null)
                 tid = next((specials[s] for s in _SPECIAL_NAMES[role] if s in specials), None)
             ids[f"{role}_id"] = tid
         return cls(backend, name=name, **ids, **roles)
@@ -337,6 +337,10 @@ class Tokenizer:
     def count_bytes(self, ids: Iterable[int]) -> int:
         """UTF-8 bytes the ids stand for (specials count 0): the denominator of bits per byte."""
         table = self.byte_lengths()
+        ids = id_list(ids)
+        bad = next((i for i in ids if not 0 <= i < len(table)), None)
+        if bad is not None:  # a negative id would read the table from its end
+            raise TokenizerError(f"{self.name}: token id {bad} is outside the vocabulary [0, {len(table)})")
         return sum(table[i] for i in ids)
 
     # ------------------------------------------------------------------------------------------ chat
@@ -346,9 +350,15 @@ class Tokenizer:
         template = chat_template or self.chat_template
         if not template:
             raise TokenizerError(f"{self.name}: this tokenizer has no chat template (pass chat_template=...)")
-        specials = {f"{n}_token": getattr(self, f"{n}_token") for n in ("bos", "eos", "pad", "unk")}
-        return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
-                                    **{**specials, **extra})
+        # the special tokens this tokenizer has, as HF passes them: one it lacks is left undefined (renders as
+        # nothing), not passed as None (which renders as the text "None")
+        specials = {f"{n}_token": self.token(getattr(self, f"{n}_id")) for n in _ROLES}
+        specials = {k: v for k, v in specials.items() if v is not None}
+        try:
+            return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
+                                        **{**specials, **extra})
+        except ChatTemplateError as e:  # name where the template came from
+            raise ChatTemplateError(f"{self.name}: {e}") from e
 
     def apply_chat_template(self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = False,
                             tokenize: bool = True, chat_template: str | None = None, **extra: Any) -> list[int] | str:
@@ -368,13 +378,17 @@ def read_tokenizer_config(path: Path) -> dict[str, Any]:
         return {}
     cfg = read_json_object(path, TokenizerError)
 
-    def name(key: str) -> str | None:
+    def name(key: str) -> str | bool | None:
+        """The token's text; False where the config says null (no such token: not to be guessed); None if absent."""
         val = cfg.get(key)
+        if key in cfg and val is None:
+            return False
         return val.get("content") if isinstance(val, dict) else val if isinstance(val, str) else None
 
     kw: dict[str, Any] = {role: name(f"{role}_token") for role in _ROLES}
-    kw["bos"] = kw["bos"] or name("cls_token")  # BERT: [CLS] opens, [SEP] closes
-    kw["eos"] = kw["eos"] or name("sep_token")
+    for role, stand_in in (("bos", "cls_token"), ("eos", "sep_token")):  # BERT: [CLS] opens, [SEP] closes
+        if kw[role] is None:
+            kw[role] = name(stand_in) or None
     template = cfg.get("chat_template")
     if isinstance(template, list):  # HF allows named templates; "default" is the chat one
         template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
