@@ -4,12 +4,16 @@ Every HF parameter (norm weights and biases included) is perturbed away from its
 mapping of any tensor shows up in the logits.
 """
 
+import json
+
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
+from seqlab.generate import generate  # noqa: E402
 from seqlab.io import CheckpointError, load_hf, load_pretrained, save_pretrained  # noqa: E402
+from seqlab.io.export_hf import export_hf  # noqa: E402
 
 TOL = 1e-4
 
@@ -113,8 +117,6 @@ def test_gpt2_attention_scalings_seqlab_lacks_are_refused(tmp_path, option):
 def test_gpt2_and_bert_keep_pad_ids_silu_and_untied_heads(tmp_path):
     """A GPT-2 with silu and a pad id, and an untied BERT (whose head adds cls.predictions.decoder.bias, no longer
     the same tensor as cls.predictions.bias in transformers 5), load to HF's logits and export back to them."""
-    from seqlab.io.export_hf import export_hf
-
     gpt2 = _randomise(transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=101, n_positions=32, n_embd=64, n_layer=2, n_head=4, activation_function="silu", pad_token_id=3)))
     bert = _randomise(transformers.BertForMaskedLM(transformers.BertConfig(
@@ -141,6 +143,25 @@ def test_bart_with_untied_token_tables_is_refused(tmp_path):
         tie_word_embeddings=False)))
     with pytest.raises(CheckpointError, match="differs from model.shared.weight"):
         load_hf(_save(hf, tmp_path))
+
+
+def test_every_listed_eos_ends_generation_as_in_hf(tmp_path):
+    """A config listing several EOS ids (Llama 3's end of text, of a message, of a turn): greedy generation stops
+    at any of them, token for token as HF's does (it ran past all but the first), and an export lists them all."""
+    torch.manual_seed(0)
+    hf = _randomise(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=41, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        bos_token_id=1, eos_token_id=[2, 5], pad_token_id=0)))
+    with torch.no_grad():
+        hf.lm_head.weight[5] += 0.5  # a likely token: some rows end on it
+    ours = load_hf(_save(hf, tmp_path / "in"))
+    ids = torch.randint(6, 41, (4, 5))
+    with torch.no_grad():
+        theirs = hf.generate(ids, max_new_tokens=12, do_sample=False)
+    mine = generate(ours, ids, max_new_tokens=12)
+    assert (theirs[:, 5:] == 5).any() and torch.equal(mine, theirs)
+    out = export_hf(ours, tmp_path / "out")
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [2, 5]
 
 
 def test_save_load_round_trip(tmp_path):

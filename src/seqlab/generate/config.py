@@ -82,8 +82,9 @@ class GenerationConfig(SamplingKnobs):
 
     def eos_ids(self, model_config=None) -> list[int]:
         eos = self.eos_token_id
-        if eos is None and model_config is not None:
-            eos = getattr(model_config, "eos_token_id", None)
+        if eos is None and model_config is not None:  # all a Hugging Face config listed, else the one id
+            eos = (getattr(model_config, "extra", None) or {}).get("eos_token_ids") or getattr(
+                model_config, "eos_token_id", None)
         if eos is None:
             return []
         return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]

@@ -313,7 +313,8 @@ def to_hf(model: nn.Module) -> tuple[dict, dict[str, Tensor]]:
 
 def generation_config(cfg: ModelConfig, eot_id: int | None = None) -> dict:
     """Greedy by default; an end-of-turn token (ChatML's ``<|im_end|>``) also ends generation."""
-    eos = [i for i in (cfg.eos_token_id, eot_id) if i is not None]
+    eos = [i for i in (*cfg.extra.get("eos_token_ids", [cfg.eos_token_id]), eot_id) if i is not None]
+    eos = list(dict.fromkeys(eos))
     doc = {"bos_token_id": cfg.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
            "pad_token_id": cfg.pad_token_id, "do_sample": False}
     if cfg.arch == "encoder_decoder":

@@ -188,6 +188,16 @@ def _int_or_none(value) -> int | None:
     return value
 
 
+def _eos_list(hf: dict) -> dict[str, list[int]]:
+    """Every EOS id where the config lists several (Llama 3: end of text, of a message, of a turn): generation
+    stops at any of them, as HF's does (``GenerationConfig.eos_ids`` reads ``extra["eos_token_ids"]``)."""
+    eos = hf.get("eos_token_id")
+    if not isinstance(eos, list):
+        return {}
+    ids = [int(e) for e in eos if isinstance(e, int) and 0 <= e < hf.get("vocab_size", 0)]
+    return {"eos_token_ids": ids} if len(ids) > 1 else {}
+
+
 def llama_weights(src: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
     """HF Llama names -> seqlab. q/k/v are concatenated into ``qkv``; gate/up into ``mlp.up``."""
     src.prefix = "model."
@@ -336,13 +346,16 @@ def config_from_hf(hf: dict) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise CheckpointError(f"unsupported Hugging Face model_type {model_type!r}; supported: {sorted(FAMILIES)}")
+    listed = _eos_list(hf)
     hf = dict(hf)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
         value = _int_or_none(hf.get(key))
         # toy configs often keep GPT-2's 50256 with a smaller vocabulary; such an id cannot be used, so drop it
         hf[key] = value if isinstance(value, int) and 0 <= value < hf.get("vocab_size", 0) else None
     try:
-        return FAMILIES[model_type][0](hf)
+        cfg = FAMILIES[model_type][0](hf)
+        cfg.extra.update(listed)
+        return cfg
     except KeyError as e:  # a required field is absent: say which, not a bare KeyError
         raise CheckpointError(f"Hugging Face {model_type} config: required key {e.args[0]!r} is missing") from None
 
