@@ -211,3 +211,19 @@ def test_a_null_special_stays_absent_and_renders_as_nothing(tmp_path):
         tok.render_chat([{"role": "user", "content": "hi"}], chat_template="{% for %}")
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tok.count_bytes([1, 99])
+
+
+def test_wordpiece_counts_the_spaces_between_words(tmp_path):
+    """A WordPiece word's first piece stands for the space before it too (the decoder puts it back): 'hello world'
+    counts 12 bytes, its 11 and one for the first word, where it counted 10; '##' continuations count their text."""
+    vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "hello": 3, "wor": 4, "##ld": 5, "!": 6}
+    backend = Backend(models.WordPiece(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ("[UNK]", "[CLS]", "[SEP]")])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    ids = tok.encode("hello world!")
+    assert [tok.token(i) for i in ids] == ["hello", "wor", "##ld", "!"]
+    assert [tok.byte_lengths()[i] for i in ids] == [6, 4, 2, 1]
+    assert tok.count_bytes(ids) == len("hello world!".encode()) + 1

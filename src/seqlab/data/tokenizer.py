@@ -309,9 +309,11 @@ class Tokenizer:
     def byte_lengths(self) -> list[int]:
         """UTF-8 bytes per id (0 for specials). Exact for byte-level BPE (each character of a piece stands for one
         byte). Otherwise (SentencePiece, WordPiece) a piece is its own text: '▁' counts as a space, ``<0xNN>``
-        byte-fallback pieces as one byte and WordPiece's '##' as nothing. Which kind a vocabulary is comes from its
-        decoder and pre-tokenizer, never from a piece's characters: 'é' or 'ñ' alone is a SentencePiece piece of two
-        bytes that happens to be spelled in GPT-2's byte alphabet."""
+        byte-fallback pieces as one byte, WordPiece's '##' as nothing and a WordPiece word's first piece as also
+        standing for the space before it (as '▁' does; WordPiece splits on spaces and its decoder puts them back, so
+        'hello world' counted 10 of its 11 bytes). Which kind a vocabulary is comes from its decoder and
+        pre-tokenizer, never from a piece's characters: 'é' or 'ñ' alone is a SentencePiece piece of two bytes that
+        happens to be spelled in GPT-2's byte alphabet. A text's first word counts one space too many."""
         if self._byte_lengths is None:
             spec = json.loads(self.backend.to_str())
             byte_level = any(_names_type(spec.get(part), "ByteLevel") for part in ("decoder", "pre_tokenizer"))
@@ -328,9 +330,12 @@ class Tokenizer:
                 elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
                     out.append(1)
                 else:
+                    space = 0
                     if prefix and piece.startswith(prefix) and len(piece) > len(prefix):
                         piece = piece[len(prefix):]
-                    out.append(len(piece.replace("\u2581", " ").encode("utf-8")))
+                    elif prefix and piece[:1].isalnum():  # a word's first piece (punctuation closes up on decode)
+                        space = 1
+                    out.append(space + len(piece.replace("\u2581", " ").encode("utf-8")))
             self._byte_lengths = out
         return self._byte_lengths
 
