@@ -27,8 +27,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "serve", help="OpenAI-compatible HTTP server with continuous batching",
         description="Serve /v1/chat/completions, /v1/completions, /v1/models and /health. Requests join and leave "
                     "the running decode batch at every step; at start-up one line `listening on http://HOST:PORT` "
-                    "is printed. SIGTERM stops admitting, lets running replies finish (--shutdown-timeout) and "
-                    "exits 0.")
+                    "is printed. SIGTERM stops admitting, lets running replies finish (--shutdown-timeout), ends the "
+                    "rest with an API error and exits 0. With no model given it serves the packaged "
+                    "SmolLM2-135M-Instruct.")
     add_model_source(p, required=False)  # none given: the packaged SmolLM2-135M-Instruct, as `seqlab chat`
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on the listening line)")
@@ -46,7 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "busy server steps; 1 favours a lone client)")
     p.add_argument("--model-name", help="the model id clients pass (default: the file or folder name)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
-                   help="seconds running replies may take to finish after SIGTERM (default 10)")
+                   help="seconds after SIGTERM until running replies are ended with an error (the last second is "
+                        "kept to send it; default 10)")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.set_defaults(func=run)
 

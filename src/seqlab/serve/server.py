@@ -47,8 +47,8 @@ class _Server(uvicorn.Server):
         self.host, self.on_listening, self.engine = host, on_listening, engine
 
     async def shutdown(self, sockets=None) -> None:
-        grace = self.config.timeout_graceful_shutdown or 0.0
-        drain = max(grace - ERROR_DELIVERY_S, grace / 2)
+        grace = self.config.timeout_graceful_shutdown  # None: uvicorn waits for every reply, and so does the engine
+        drain = float("inf") if grace is None else max(grace - ERROR_DELIVERY_S, grace / 2)
         stopping = asyncio.get_running_loop().run_in_executor(None, self.engine.stop, drain)
         await super().shutdown(sockets=sockets)
         await stopping
