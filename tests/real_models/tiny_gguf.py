@@ -11,7 +11,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from seqlab.data.tokenizer import bytes_to_unicode
+from seqlab.data.byte_lengths import bytes_to_unicode
 
 CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TEMPLATE = (

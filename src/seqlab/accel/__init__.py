@@ -7,7 +7,8 @@
 The model stays plain math (``nn.Linear``); :func:`restore_plain` undoes the conversion. See docs/acceleration.md.
 """
 
-from seqlab.accel.apply import AccelPlan, accelerate, plan_for, restore_plain
+from seqlab.accel.apply import AccelPlan, accelerate, plan_for
+from seqlab.accel.restore import restore_plain
 from seqlab.runtime.cpu import CpuSignature, current_signature, isa_above_avx2, native_bf16
 from seqlab.accel.packed_linear import PackedLinear, is_packed, pack_for_inference, packing_available
 from seqlab.accel.routes import Route, Use, builtin_routes

@@ -23,27 +23,22 @@ from seqlab.accel.calibrate import (MIN_GAIN, cache_path, count_measuring, dtype
 from seqlab.accel.cross_entropy import choose_cross_entropy
 from seqlab.accel.fused_gelu import choose_gelu
 from seqlab.accel.fused_gelu import install as install_gelu
-from seqlab.accel.fused_gelu import uninstall as uninstall_gelu
 from seqlab.accel.fused_layer_norm import choose_layer_norm
 from seqlab.accel.fused_layer_norm import install as install_norm
-from seqlab.accel.fused_layer_norm import uninstall as uninstall_norm
 from seqlab.accel.pointwise import choose_pointwise
 from seqlab.accel.pointwise import install as install_pointwise
-from seqlab.accel.pointwise import uninstall as uninstall_pointwise
 from seqlab.runtime.cpu import current_signature, native_bf16
 from seqlab.runtime.memory import move_to_huge_pages
-from seqlab.accel.packed_linear import PackedLinear
 from seqlab.accel.routes import USES, Route, Use, builtin_routes
 from seqlab.accel.prefill import choose_prefill_cast
 from seqlab.accel.prefill import install as install_routing
 from seqlab.accel.prefill import uninstall as uninstall_routing
 from seqlab.accel.prefill_attention import choose_attention
+from seqlab.accel.restore import restore_plain, restore_plain_layers
 from seqlab.accel.prefill_attention import install as install_attention
-from seqlab.accel.prefill_attention import uninstall as uninstall_attention
 from seqlab.accel.step_check import choose_fused
 from seqlab.accel.train_attention import choose_train_attention
 from seqlab.accel.train_attention import install as install_train_attention
-from seqlab.accel.train_linear import TrainLinear
 from seqlab.accel.verify import pass_key, time_pass
 
 # bf16 changes the numbers (about 3 significant digits), so "auto" takes it only where it is clearly faster
@@ -254,39 +249,6 @@ def _all_routes(extra: Sequence[Route]) -> list[Route]:
     return list(routes.values())
 
 
-def restore_plain(model: nn.Module) -> nn.Module:
-    """Undo :func:`accelerate` in place: every accelerated layer back to a plain ``nn.Linear`` (trainable as it
-    was; a packed one's Parameters are new, so build an optimizer after this), the installed prefill routes, fused
-    step and plan removed, and a model that a bf16 plan cast back in the dtype it had (its values keep bf16's
-    rounding: keep a copy of the model to return to the exact fp32 weights)."""
-    _restore_plain_layers(model)
-    plain_dtype = model.__dict__.pop("accel_plain_dtype", None)
-    if plain_dtype is not None:
-        model.to(plain_dtype)
-    uninstall_gelu(model)
-    uninstall_norm(model)
-    uninstall_pointwise(model)
-    uninstall_attention(model)
-    uninstall_routing(model)
-    for attr in ("accel_plan", "fused_decode", "prefill_cast", "prefill_attention", "cross_entropy_kernel"):
-        if attr in model.__dict__:
-            delattr(model, attr)
-    return model
-
-
-def _restore_plain_layers(model: nn.Module) -> None:
-    for name, m in list(model.named_modules()):
-        if isinstance(m, (PackedLinear, TrainLinear)):
-            plain = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
-            if isinstance(m, TrainLinear):
-                plain.weight, plain.bias = m.weight, m.bias  # the same Parameters: optimizers keep working
-            else:  # new Parameters (the packed layer kept no dense one), trainable as they were before packing
-                plain.weight = nn.Parameter(m.weight, requires_grad=m.trainable[0])
-                plain.bias = None if m.bias is None else nn.Parameter(m.bias.detach(), requires_grad=m.trainable[1])
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, plain)
-
-
 def accelerate(model: nn.Module, for_: str = "decode", *, rows: int | None = None,
                dtype: str | torch.dtype | None = "auto", routes: Sequence[Route] = (),
                budget_s: float = DEFAULT_BUDGET_S, use_cache: bool = True, verify: bool = True,
@@ -379,7 +341,7 @@ def _accelerate(model: nn.Module, for_: str, rows: int | None, dtype: str | torc
         if use_cache:
             plan.pass_s = dict(store_cache(sig, {key: plan.pass_s})[key])
     if checked and fastest(plan.pass_s) == "dense":
-        _restore_plain_layers(model)  # the layers only: the prefill's routes were chosen by their own timings
+        restore_plain_layers(model)  # the layers only: the prefill's routes were chosen by their own timings
         plan.kept = False
     if routed:  # the prefill's oneDNN switch, back on the layers that stayed (or came back) plain
         install_routing(model)

@@ -13,7 +13,8 @@ from typing import Iterable, Sequence
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from seqlab.data.tokenizer import BOS, EOS, MASK, PAD, SPECIAL_TOKENS, Tokenizer, bytes_to_unicode, id_list
+from seqlab.data.byte_lengths import bytes_to_unicode
+from seqlab.data.tokenizer import BOS, EOS, MASK, PAD, SPECIAL_TOKENS, Tokenizer, id_list
 
 
 def byte_backend(specials: Sequence[str] = SPECIAL_TOKENS) -> Backend:

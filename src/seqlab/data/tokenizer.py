@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -27,6 +25,7 @@ import torch
 from tokenizers import Tokenizer as Backend
 from tokenizers import processors
 
+from seqlab.data.byte_lengths import piece_byte_lengths
 from seqlab.data.chat_template import ChatTemplateError, render_chat_template
 from seqlab.runtime import atomic_write_text
 from seqlab.runtime.files import read_json_object
@@ -75,38 +74,8 @@ def id_list(ids: Iterable[int]) -> list[int]:
     return out
 
 
-def _names_type(node: Any, name: str) -> bool:
-    """Whether a tokenizer.json component (or a Sequence of them) is, or holds, one of type ``name``."""
-    if isinstance(node, dict):
-        return node.get("type") == name or any(_names_type(v, name) for v in node.values())
-    if isinstance(node, list):
-        return any(_names_type(v, name) for v in node)
-    return False
-
-
-def _wordpiece_prefix(decoder: Any) -> str:
-    """The continuation prefix ('##') of a WordPiece decoder; '' for any other."""
-    if isinstance(decoder, dict) and decoder.get("type") == "WordPiece":
-        return str(decoder.get("prefix", "##"))
-    return ""
-
-
 class TokenizerError(ValueError):
     """The tokenizer description is missing or inconsistent (the message names the file and key)."""
-
-
-@lru_cache(maxsize=1)
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable spelling of the 256 byte values (the alphabet byte-level BPE vocabularies are written in)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def special_post_processor(spell: Callable[[int], str], bos: int | None, eos: int | None):
@@ -307,36 +276,9 @@ class Tokenizer:
         return ids, mask
 
     def byte_lengths(self) -> list[int]:
-        """UTF-8 bytes per id (0 for specials). Exact for byte-level BPE (each character of a piece stands for one
-        byte). Otherwise (SentencePiece, WordPiece) a piece is its own text: '▁' counts as a space, ``<0xNN>``
-        byte-fallback pieces as one byte, WordPiece's '##' as nothing and a WordPiece word's first piece as also
-        standing for the space before it (as '▁' does; WordPiece splits on spaces and its decoder puts them back, so
-        'hello world' counted 10 of its 11 bytes). Which kind a vocabulary is comes from its decoder and
-        pre-tokenizer, never from a piece's characters: 'é' or 'ñ' alone is a SentencePiece piece of two bytes that
-        happens to be spelled in GPT-2's byte alphabet. A text's first word counts one space too many."""
+        """UTF-8 bytes per id (0 for specials), as :func:`seqlab.data.byte_lengths.piece_byte_lengths` counts them."""
         if self._byte_lengths is None:
-            spec = json.loads(self.backend.to_str())
-            byte_level = any(_names_type(spec.get(part), "ByteLevel") for part in ("decoder", "pre_tokenizer"))
-            prefix = _wordpiece_prefix(spec.get("decoder"))
-            table = set(bytes_to_unicode().values())
-            specials = self.special_ids
-            out = []
-            for i in range(self.vocab_size):
-                piece = self.backend.id_to_token(i)
-                if piece is None or i in specials:
-                    out.append(0)
-                elif byte_level and all(c in table for c in piece):
-                    out.append(len(piece))  # every char is one byte's alias
-                elif re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
-                    out.append(1)
-                else:
-                    space = 0
-                    if prefix and piece.startswith(prefix) and len(piece) > len(prefix):
-                        piece = piece[len(prefix):]
-                    elif prefix and piece[:1].isalnum():  # a word's first piece (punctuation closes up on decode)
-                        space = 1
-                    out.append(space + len(piece.replace("\u2581", " ").encode("utf-8")))
-            self._byte_lengths = out
+            self._byte_lengths = piece_byte_lengths(self.backend, self.vocab_size, self.special_ids)
         return self._byte_lengths
 
     def count_bytes(self, ids: Iterable[int]) -> int:

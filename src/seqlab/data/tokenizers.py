@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Sequence
 
 from seqlab.data.bpe import train_bpe
+from seqlab.data.byte_lengths import bytes_to_unicode
 from seqlab.data.byte_tokenizer import ByteTokenizer, byte_specials
 from seqlab.data.corpus import load_documents
-from seqlab.data.tokenizer import (CHATML_TEMPLATE, IM_END, IM_START, SPECIAL_TOKENS, Tokenizer, TokenizerError,
-                                   bytes_to_unicode)
+from seqlab.data.tokenizer import CHATML_TEMPLATE, IM_END, IM_START, SPECIAL_TOKENS, Tokenizer, TokenizerError
 
 __all__ = ["ByteTokenizer", "CHATML_TEMPLATE", "IM_END", "IM_START", "SPECIAL_TOKENS", "Tokenizer", "TokenizerError",
            "build_tokenizer", "bytes_to_unicode", "load_tokenizer", "train_bpe"]

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from seqlab.config import ModelConfig
+from seqlab.io.hf_fields import activation_name, eos_list, int_or_none
 from seqlab.io.tensors import load_state_into, load_tensors, read_config_json
 from seqlab.runtime import CheckpointError
 from seqlab.model import build_model
@@ -74,13 +75,6 @@ def _norm(out: dict, dst: str, src: _Tensors, name: str, bias: bool = True) -> N
 
 
 # ---------------------------------------------------------------------------------------------------- GPT-2
-def _activation(table: dict[str, str], name: str, family: str) -> str:
-    """seqlab's name for a config's activation, or a refusal naming the ones this family's import reads."""
-    if name not in table:
-        raise CheckpointError(f"{family} activation {name!r} is not supported (supported: {', '.join(table)})")
-    return table[name]
-
-
 def _take_tied(src: _Tensors, name: str, table: Tensor, what: str) -> None:
     """Consume ``name``, a copy of ``table`` in a tied checkpoint; refuse one that differs: seqlab's model keeps one
     table there, and silently keeping only ``what`` would compute something else."""
@@ -101,7 +95,7 @@ def gpt2_config(hf: dict) -> ModelConfig:
         arch="decoder", vocab_size=hf["vocab_size"], d_model=hf["n_embd"], n_layers=hf["n_layer"],
         n_heads=hf["n_head"], d_ff=hf.get("n_inner") or 4 * hf["n_embd"], max_seq_len=hf["n_positions"],
         pos="learned", norm="layernorm", norm_eps=hf.get("layer_norm_epsilon", 1e-5), pre_norm=True, mlp="gelu",
-        activation=_activation(act, hf.get("activation_function", "gelu_new"), "GPT-2"), bias=True,
+        activation=activation_name(act, hf.get("activation_function", "gelu_new"), "GPT-2"), bias=True,
         tie_embeddings=hf.get("tie_word_embeddings", True),
         bos_token_id=hf.get("bos_token_id"), eos_token_id=hf.get("eos_token_id"), pad_token_id=hf.get("pad_token_id"),
         extra={"source": "hf:gpt2"},
@@ -163,8 +157,8 @@ def llama_config(hf: dict) -> ModelConfig:
         qk_norm=model_type == "qwen3", max_seq_len=max_len, pos="rope", rope_base=float(theta), norm="rmsnorm",
         norm_eps=hf.get("rms_norm_eps", 1e-6), pre_norm=True, mlp="swiglu", activation="silu",
         bias=bias, tie_embeddings=hf.get("tie_word_embeddings", False),
-        bos_token_id=_int_or_none(hf.get("bos_token_id")), eos_token_id=_int_or_none(hf.get("eos_token_id")),
-        pad_token_id=_int_or_none(hf.get("pad_token_id")), extra={"source": f"hf:{model_type}"},
+        bos_token_id=int_or_none(hf.get("bos_token_id")), eos_token_id=int_or_none(hf.get("eos_token_id")),
+        pad_token_id=int_or_none(hf.get("pad_token_id")), extra={"source": f"hf:{model_type}"},
     )
 
 
@@ -180,22 +174,6 @@ def _check_sliding_window(hf: dict, model_type: str) -> None:
     if window is not None and window < hf.get("max_position_embeddings", 2048):
         raise CheckpointError(f"{model_type} sliding_window={window} (< max_position_embeddings="
                               f"{hf.get('max_position_embeddings')}) is not supported: seqlab attends to the full context")
-
-
-def _int_or_none(value) -> int | None:
-    if isinstance(value, list):  # some configs list several EOS ids; the first is the canonical one
-        value = value[0] if value else None
-    return value
-
-
-def _eos_list(hf: dict) -> dict[str, list[int]]:
-    """Every EOS id where the config lists several (Llama 3: end of text, of a message, of a turn): generation
-    stops at any of them, as HF's does (``GenerationConfig.eos_ids`` reads ``extra["eos_token_ids"]``)."""
-    eos = hf.get("eos_token_id")
-    if not isinstance(eos, list):
-        return {}
-    ids = [int(e) for e in eos if isinstance(e, int) and 0 <= e < hf.get("vocab_size", 0)]
-    return {"eos_token_ids": ids} if len(ids) > 1 else {}
 
 
 def llama_weights(src: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:
@@ -241,7 +219,7 @@ def bert_config(hf: dict) -> ModelConfig:
         n_heads=hf["num_attention_heads"], d_ff=hf["intermediate_size"],
         max_seq_len=hf.get("max_position_embeddings", 512), pos="learned", norm="layernorm",
         norm_eps=hf.get("layer_norm_eps", 1e-12), pre_norm=False, embed_norm=True, mlp="gelu",
-        activation=_activation(act, hf.get("hidden_act", "gelu"), "BERT"), bias=True,
+        activation=activation_name(act, hf.get("hidden_act", "gelu"), "BERT"), bias=True,
         tie_embeddings=hf.get("tie_word_embeddings", True),
         lm_head_bias=True, mlm_head_transform=True, type_vocab_size=hf.get("type_vocab_size", 2),
         pad_token_id=hf.get("pad_token_id"), extra={"source": "hf:bert"},
@@ -289,7 +267,7 @@ def bart_config(hf: dict) -> ModelConfig:
         n_decoder_layers=hf["decoder_layers"], n_heads=hf["encoder_attention_heads"], d_ff=hf["encoder_ffn_dim"],
         max_seq_len=hf["max_position_embeddings"], pos="learned", pos_offset=2, norm="layernorm", norm_eps=1e-5,
         pre_norm=False, embed_norm=True, scale_embeddings=bool(hf.get("scale_embedding", False)), mlp="gelu",
-        activation=_activation(act, hf.get("activation_function", "gelu"), "BART"), bias=True, tie_embeddings=True,
+        activation=activation_name(act, hf.get("activation_function", "gelu"), "BART"), bias=True, tie_embeddings=True,
         lm_head_bias=True,
         pad_token_id=hf.get("pad_token_id"), bos_token_id=hf.get("bos_token_id"),
         eos_token_id=hf.get("eos_token_id"), decoder_start_token_id=hf.get("decoder_start_token_id"),
@@ -346,10 +324,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
     model_type = hf.get("model_type")
     if model_type not in FAMILIES:
         raise CheckpointError(f"unsupported Hugging Face model_type {model_type!r}; supported: {sorted(FAMILIES)}")
-    listed = _eos_list(hf)
+    listed = eos_list(hf)
     hf = dict(hf)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
-        value = _int_or_none(hf.get(key))
+        value = int_or_none(hf.get(key))
         # toy configs often keep GPT-2's 50256 with a smaller vocabulary; such an id cannot be used, so drop it
         hf[key] = value if isinstance(value, int) and 0 <= value < hf.get("vocab_size", 0) else None
     try:

@@ -14,7 +14,8 @@ from typing import Any, Mapping
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from seqlab.data.tokenizer import Tokenizer, TokenizerError, bytes_to_unicode, special_post_processor
+from seqlab.data.byte_lengths import bytes_to_unicode
+from seqlab.data.tokenizer import Tokenizer, TokenizerError, special_post_processor
 
 __all__ = ["GGUF_PRE_TOKENIZERS", "gguf_pre_name", "tokenizer_from_gguf"]
 
