@@ -270,6 +270,13 @@ def test_a_hand_edited_cache_is_measured_again_not_trusted(capsys):
     fixed = json.loads(path.read_text())["entries"]
     assert all(isinstance(v, float) and v > 0 for v in fixed[product].values())
     assert all(fixed[k] for k in steps)  # the fused-step check timed again, where a fused step exists
+    capsys.readouterr()
+    calibrate._WARNED.clear()
+    doc = json.loads(path.read_text())
+    doc["entries"][product] = {**doc["entries"][product], "onednn-packed": float("inf")}  # every call declined
+    path.write_text(json.dumps(doc))
+    assert calibrate.load_cache(current_signature())[product]["onednn-packed"] == float("inf")
+    assert capsys.readouterr().err == ""  # a timing like any other, not a malformed entry
 
 
 def test_a_callers_own_route_keeps_its_own_cache_entries():

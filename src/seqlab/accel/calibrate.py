@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import json
-import math
 import os
 import sys
 import time
@@ -105,10 +104,11 @@ _WARNED: set[str] = set()  # cache files whose malformed entries this process ha
 
 
 def _is_timing(entry: object) -> bool:
-    """A cache entry as calibration writes it: route (or candidate) names to positive, finite seconds (none where
-    nothing was timed, e.g. a prefill with no length to time; an entry's callers say which names they need)."""
+    """A cache entry as calibration writes it: route (or candidate) names to positive seconds, infinite where every
+    call declined (``best_of_rounds``), none where nothing was timed (a prefill with no length to time; an entry's
+    callers say which names they need)."""
     return isinstance(entry, dict) and all(
-        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0  # NaN > 0 is False
         for k, v in entry.items())
 
 
