@@ -310,14 +310,14 @@ def sampled_local_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, tok
         logp, phase = torch.zeros(0), torch.zeros(0)
     with torch.no_grad():
         log_psi = torch.complex(0.5 * logp.detach().double(), phase.detach().double())
-        table = None
+        sampled = (keys, log_psi)
         if cfg.local_energy == "sample-space":  # every rank takes part, an empty share too
-            table = PsiTable(*every_rank_samples(keys, log_psi, dist or DistInfo()))
+            sampled = every_rank_samples(keys, log_psi, dist or DistInfo())
         if not len(tokens):
             return logp, phase, torch.zeros(0, dtype=torch.complex128)
         if sector is not None and cfg.local_energy == "exact":
             return logp, phase, sector.local_energy(keys, sector_log_psi(wf, sector))
-        return logp, phase, local_energy(ham, keys, log_psi, table or PsiTable(keys, log_psi), make_evaluator(wf),
+        return logp, phase, local_energy(ham, keys, log_psi, PsiTable(*sampled), make_evaluator(wf),
                                          cfg.local_energy)
 
 
