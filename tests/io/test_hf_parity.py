@@ -89,6 +89,16 @@ def test_bert_mlm(tmp_path):
         _close(ours(ids, attention_mask=mask), hf(ids, attention_mask=mask).logits, mask)
 
 
+def test_causal_bert_decoder_is_refused_by_name(tmp_path):
+    """BertLMHeadModel (is_decoder) has BertForMaskedLM's tensor names: loaded as the encoder, its logits were off
+    by 3.7, silently."""
+    hf = transformers.BertLMHeadModel(transformers.BertConfig(
+        vocab_size=101, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=32, is_decoder=True))
+    with pytest.raises(CheckpointError, match="is_decoder=true"):
+        load_hf(_save(hf, tmp_path))
+
+
 def test_bart(tmp_path):
     hf = _randomise(transformers.BartForConditionalGeneration(transformers.BartConfig(
         vocab_size=101, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,

@@ -214,6 +214,11 @@ def bert_config(hf: dict) -> ModelConfig:
            "swish": "silu"}
     if hf.get("position_embedding_type", "absolute") != "absolute":
         raise CheckpointError(f"BERT position_embedding_type={hf['position_embedding_type']!r} is not supported")
+    if hf.get("is_decoder") or hf.get("add_cross_attention"):
+        # BertLMHeadModel's causal self-attention (and cross-attention) would be run bidirectionally, silently
+        field = "is_decoder" if hf.get("is_decoder") else "add_cross_attention"
+        raise CheckpointError(f"BERT {field}=true (a causal BERT decoder) is not supported: seqlab's BERT is the "
+                              "bidirectional encoder")
     return ModelConfig(
         arch="encoder", vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
         n_heads=hf["num_attention_heads"], d_ff=hf["intermediate_size"],
