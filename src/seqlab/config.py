@@ -92,6 +92,9 @@ class ModelConfig:
     attn_head_dim: int | None = None  # per-head width when it is not d_model // n_heads (Qwen3 and Gemma set it)
     qkv_bias: bool | None = None  # biases on the q/k/v projections only (Qwen2); default: same as ``bias``
     qk_norm: bool = False  # RMSNorm over each query/key head before the rotation (Qwen3)
+    # a sliding-window model's window (Mistral): attending to everything equals it only up to this many positions,
+    # so longer sequences are refused
+    attention_window: int | None = None
 
     mlp: str = "swiglu"
     activation: str | None = None  # default: silu for swiglu, gelu for gelu
@@ -136,6 +139,8 @@ class ModelConfig:
             raise ConfigError("n_kv_heads", f"must be a positive integer, got {self.n_kv_heads!r}")
         if self.attn_head_dim is not None and (not isinstance(self.attn_head_dim, int) or self.attn_head_dim <= 0):
             raise ConfigError("attn_head_dim", f"must be a positive integer or None, got {self.attn_head_dim!r}")
+        if self.attention_window is not None and self.attention_window <= 0:
+            raise ConfigError("attention_window", f"must be a positive integer or None, got {self.attention_window!r}")
         if self.qkv_bias is None:
             self.qkv_bias = self.bias
         if self.attn_head_dim is None and self.d_model % self.n_heads:

@@ -142,7 +142,8 @@ def test_sliding_window_is_refused_by_name(tmp_path):
         load_gguf(tmp_path / "swa.gguf")
     # a window as long as the context never binds: the same file loads
     write_like_llamacpp(tmp_path / "wide.gguf", hf, "qwen2", extra={"qwen2.attention.sliding_window": 64})
-    load_gguf(tmp_path / "wide.gguf", with_tokenizer=False)
+    wide, _ = load_gguf(tmp_path / "wide.gguf", with_tokenizer=False)
+    assert wide.config.attention_window == 64  # and past it sequences are refused
 
 
 def test_unequal_key_and_value_heads_are_refused(tmp_path):

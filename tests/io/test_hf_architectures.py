@@ -125,6 +125,21 @@ def test_mistral_sliding_window_is_refused(tmp_path):
         load_hf(tmp_path)
 
 
+def test_mistral_window_as_long_as_the_context_limits_the_length(tmp_path):
+    """A window that does not bind within the context loads, but rotary positions extend past the context: beyond
+    the window HF's logits moved by 5.7 while seqlab's full attention ran on silently. Up to it they agree."""
+    config = transformers.MistralConfig(**{**SMALL, "max_position_embeddings": 16}, sliding_window=16)
+    hf, ours = _loaded(transformers.MistralForCausalLM, config, tmp_path)
+    assert ours.config.attention_window == 16
+    ids = torch.randint(0, VOCAB, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (ours(ids) - hf(ids).logits).abs().max() < TOL
+        with pytest.raises(ValueError, match=r"attention window \(16\)"):
+            ours(torch.randint(0, VOCAB, (1, 17)))
+        with pytest.raises(ValueError, match=r"attention window \(16\)"):
+            ours.new_cache(1, 24)
+
+
 @pytest.mark.parametrize("keys", [{"rope_scaling": {"rope_type": "linear", "factor": 4.0}},
                                   {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
                                    "rope_scaling": {"rope_type": "linear", "factor": 4.0}},

@@ -177,6 +177,8 @@ def gguf_hf_config(f: GGUFFile) -> dict[str, Any]:
     vocab = m.get(key("vocab_size")) or len(m.get("tokenizer.ggml.tokens") or [])
     if not vocab:
         vocab = int(f.tensors["token_embd.weight"].shape[0]) if "token_embd.weight" in f.tensors else 0
+    window = m.get(key("attention.sliding_window"))
+    window = int(max(window)) if isinstance(window, list) and window else int(window) if window else None
     ids = {k: m.get(f"tokenizer.ggml.{g}") for k, g in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                                                          ("pad_token_id", "padding_token_id"))}
     return {
@@ -195,5 +197,7 @@ def gguf_hf_config(f: GGUFFile) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in f.tensors,
         "mlp_bias": "blk.0.ffn_up.bias" in f.tensors,
         "tie_word_embeddings": "output.weight" not in f.tensors,
+        # a window as long as the context (a binding one was refused above) still limits the sequence length
+        "sliding_window": window, "use_sliding_window": window is not None,
         **{k: (int(v) if v is not None else None) for k, v in ids.items()},
     }

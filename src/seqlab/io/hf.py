@@ -143,7 +143,7 @@ def llama_config(hf: dict) -> ModelConfig:
     theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{model_type} hidden_act={hf['hidden_act']!r} is not supported (expected silu)")
-    _check_sliding_window(hf, model_type)
+    window = _sliding_window(hf, model_type)
     attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
     if model_type == "qwen2":  # q/k/v carry biases, o_proj and the MLP do not
         qkv_bias, bias = True, False
@@ -154,7 +154,7 @@ def llama_config(hf: dict) -> ModelConfig:
         arch="decoder", vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads") or n_heads, d_ff=hf["intermediate_size"],
         attn_head_dim=head_dim if head_dim * n_heads != d else None, qkv_bias=qkv_bias,
-        qk_norm=model_type == "qwen3", max_seq_len=max_len, pos="rope", rope_base=float(theta), norm="rmsnorm",
+        qk_norm=model_type == "qwen3", attention_window=window, max_seq_len=max_len, pos="rope", rope_base=float(theta), norm="rmsnorm",
         norm_eps=hf.get("rms_norm_eps", 1e-6), pre_norm=True, mlp="swiglu", activation="silu",
         bias=bias, tie_embeddings=hf.get("tie_word_embeddings", False),
         bos_token_id=int_or_none(hf.get("bos_token_id")), eos_token_id=int_or_none(hf.get("eos_token_id")),
@@ -162,18 +162,25 @@ def llama_config(hf: dict) -> ModelConfig:
     )
 
 
-def _check_sliding_window(hf: dict, model_type: str) -> None:
-    """seqlab attends to the whole context: a window that can bind (shorter than the context) is refused."""
+def _sliding_window(hf: dict, model_type: str) -> int | None:
+    """The window a sliding-window model attends within, or None.
+
+    seqlab attends to every earlier position. That computes the window's result only while a sequence fits in the
+    window: one shorter than the context is refused here, a longer one becomes ``attention_window``, past which the
+    model refuses sequences (rotary tables grow past ``max_seq_len``, so the context alone does not stop them).
+    """
     window = hf.get("sliding_window")
     layer_types = hf.get("layer_types") or []
     if model_type in ("qwen2", "qwen3"):
-        if not hf.get("use_sliding_window") and "sliding_attention" not in layer_types:
-            return
-    elif model_type != "mistral" and "sliding_attention" not in layer_types:
-        return
-    if window is not None and window < hf.get("max_position_embeddings", 2048):
+        applies = bool(hf.get("use_sliding_window")) or "sliding_attention" in layer_types
+    else:
+        applies = model_type == "mistral" or bool(hf.get("use_sliding_window")) or "sliding_attention" in layer_types
+    if not applies or window is None:
+        return None
+    if window < hf.get("max_position_embeddings", 2048):
         raise CheckpointError(f"{model_type} sliding_window={window} (< max_position_embeddings="
                               f"{hf.get('max_position_embeddings')}) is not supported: seqlab attends to the full context")
+    return int(window)
 
 
 def llama_weights(src: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:

@@ -75,7 +75,12 @@ class Stack(nn.Module):
                        dtype=dtype or p.dtype, device=device or p.device)
 
     def _check_length(self, n: int) -> None:
-        """Learned positions end at max_seq_len; rotary ones extend (their table grows, outside the decode loop)."""
+        """Learned positions end at max_seq_len; rotary ones extend (their table grows, outside the decode loop) up to
+        a sliding-window model's window, past which full attention is no longer that model."""
+        window = self.cfg.attention_window
+        if window is not None and n > window:
+            raise ValueError(f"{n} positions exceed this model's attention window ({window}): it attends to the last "
+                             f"{window} positions only, which seqlab's full attention equals only up to {window}")
         if n > self.cfg.max_seq_len:
             if self.cfg.pos == "learned":
                 raise ValueError(f"{n} positions exceed the learned position table (max_seq_len={self.cfg.max_seq_len})")
