@@ -4,6 +4,7 @@ import pytest
 
 from seqlab.cli import main
 from seqlab.data import ByteTokenizer, build_dataset
+from seqlab.io import load_pretrained, save_pretrained
 from seqlab.train.config import TrainConfig
 from seqlab.train.run import build_datasets, dataset_options
 from seqlab.train.rundir import existing_run
@@ -52,6 +53,26 @@ def test_init_with_other_shapes_names_the_first_tensor(tmp_path, capsys):
     assert len(err) == 1 and len(err[0]) < 400, err  # not torch's list of every mismatching tensor
     assert f"--init {src}: stack.embed.tok.weight has shape (" in err[0]
     assert "in this model; use the same --preset/--model settings and tokenizer" in err[0]
+
+
+@pytest.mark.parametrize("source", ["run", "folder"])
+def test_init_with_the_same_shapes_but_other_math_names_the_field(tmp_path, capsys, source):
+    """Equal shapes, another rope base: the weights were copied and the model computed something else (logits off by
+    4), silently. A run directory and a model folder (save_pretrained) are both compared."""
+    src = tmp_path / "src"
+    assert main(["train", "--tokenizer", "byte", *TINY, "--max-steps", "1", "--out", str(src),
+                 "--model", "rope_base=500"]) == 0
+    if source == "folder":
+        save_pretrained(load_pretrained(src / "checkpoints" / "step_00000001"), tmp_path / "folder")
+        src = tmp_path / "folder"
+    capsys.readouterr()
+    assert main(["train", "--tokenizer", "byte", *TINY, "--max-steps", "1", "--out", str(tmp_path / "other"),
+                 "--init", str(src)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--init {src}: its model has rope_base=500" in err[0]
+    assert "but this run builds rope_base=10000.0" in err[0]
+    assert main(["train", "--tokenizer", "byte", *TINY, "--max-steps", "1", "--out", str(tmp_path / "same"),
+                 "--init", str(src), "--model", "rope_base=500"]) == 0
 
 
 def test_a_run_recorded_before_document_bos_rebuilds_its_own_stream():

@@ -208,8 +208,8 @@ def _accel_line(plan: AccelPlan) -> str:
     return "; ".join([*kernels, products]) if kernels else f"torch's ops; {products}"
 
 
-def _load_model_folder(path: Path) -> dict:
-    return load_pretrained(path).state_dict()
+def _load_model_folder(path: Path) -> torch.nn.Module:
+    return load_pretrained(path)
 
 
 def _check_inputs_exist(cfg: TrainConfig, resume: bool) -> None:

@@ -5,6 +5,7 @@ benchmarks all build runs the same way.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,8 +24,13 @@ from seqlab.train.config import TrainConfig, read_run_config, same_setting
 from seqlab.train.presets import model_config
 
 # Loads a model folder that is not a training checkpoint (seqlab or HF format) into a state dict. The CLI passes
-# ``seqlab.io``'s loader: io sits above train, so train cannot import it.
-FolderLoader = Callable[[Path], dict[str, torch.Tensor]]
+# ``seqlab.io``'s loader (a model folder -> the model): io sits above train, so train cannot import it.
+FolderLoader = Callable[[Path], torch.nn.Module]
+
+# ModelConfig fields that do not change what a model with these weights computes: regularisation and
+# initialisation, provenance, token ids (the tokenizer's business), and lengths (a learned table's shape is checked)
+_NOT_MATH = {"dropout", "attn_dropout", "init_std", "extra", "max_seq_len", "attention_window", "pad_token_id",
+             "bos_token_id", "eos_token_id", "decoder_start_token_id"}
 
 
 def default_tokenizer(objective: str) -> str:
@@ -102,9 +108,11 @@ def load_initial_weights(model: torch.nn.Module, path: str | os.PathLike, load_f
             raise FileNotFoundError(f"{p}/checkpoints: no checkpoint to initialise from")
         p = latest
     if (p / "state.json").is_file():
-        _, sd, _ = ckpt.load_checkpoint(p, load_optimizer=False)
+        state, sd, _ = ckpt.load_checkpoint(p, load_optimizer=False)
+        source = ModelConfig.from_dict(state["model_config"]) if state.get("model_config") else None
     elif load_folder is not None:
-        sd = load_folder(p)
+        loaded = load_folder(p)
+        sd, source = loaded.state_dict(), getattr(loaded, "config", None)
     else:
         raise FileNotFoundError(f"--init {path}: not a seqlab training checkpoint or run directory")
     hint = "use the same --preset/--model settings and tokenizer as the run that wrote them"
@@ -113,6 +121,13 @@ def load_initial_weights(model: torch.nn.Module, path: str | os.PathLike, load_f
         if name in sd and tuple(sd[name].shape) != tuple(mine.shape):
             raise ValueError(f"--init {path}: {name} has shape {tuple(sd[name].shape)} there but "
                              f"{tuple(mine.shape)} in this model; {hint}")
+    built = model.config
+    for name in (f.name for f in dataclasses.fields(ModelConfig) if f.name not in _NOT_MATH and source is not None):
+        # equal shapes do not make the same model: a rope base, norm eps or activation of another run would be
+        # copied under this run's settings and compute something else, silently
+        if getattr(source, name) != getattr(built, name):
+            raise ValueError(f"--init {path}: its model has {name}={getattr(source, name)!r} but this run builds "
+                             f"{name}={getattr(built, name)!r}; {hint}")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
         raise ValueError(f"--init {path}: weights do not fit the model (missing={missing[:5]}, "
