@@ -6,8 +6,11 @@ Both are easy to get subtly wrong: a CUDA clock read without a synchronize measu
 """
 from __future__ import annotations
 
+import contextlib
 import resource
 import time
+from collections.abc import Iterator
+
 import torch
 
 from seqlab.runtime.memory import status_kib
@@ -61,6 +64,15 @@ class Stopwatch:
         self.start = now(device)
         self.last = self.start
         self.laps: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time inside the block belongs to no lap: a generator's caller, between two chunks, is not decoding."""
+        t = now(self.device)
+        try:
+            yield
+        finally:
+            self.last += now(self.device) - t
 
     def lap(self, name: str) -> float:
         t = now(self.device)

@@ -65,7 +65,7 @@ def _run(model, input_ids, attention_mask, cfg: GenerationConfig, draft_model=No
     strategy = strategy_of(cfg, draft_model)
     device = input_ids.device if isinstance(input_ids, Tensor) else None
     timing.reset_peak_memory(device)
-    t0 = timing.now(device)
+    clock = timing.Stopwatch(device)  # started before the input checks: the TTFT counts them
     prep = prepare(model, input_ids, attention_mask, cfg)
     B = prep.input_ids.shape[0]
     metrics = GenerationMetrics(strategy=strategy, batch_size=B, prompt_tokens=int(prep.lengths.sum()))
@@ -77,12 +77,12 @@ def _run(model, input_ids, attention_mask, cfg: GenerationConfig, draft_model=No
         if cfg.max_new_tokens == 0:
             new = torch.empty(B, 0, dtype=torch.long, device=device)
         elif strategy == "beam":
-            new, scores = beam_search(model, prep, cfg, metrics)
+            new, scores = beam_search(model, prep, cfg, metrics, clock)
             if want_chunks:  # the whole text at once: beam search settles it only at the end
                 yield _beam_chunk(new, prep.eos, TextStream.for_request(tokenizer, B, [], True))
         else:
-            loop = (speculative_loop(model, draft_model, prep, cfg, text, metrics, want_chunks)
-                    if strategy == "speculative" else sample_loop(model, prep, cfg, text, metrics, want_chunks))
+            loop = (speculative_loop(model, draft_model, prep, cfg, text, metrics, want_chunks, clock)
+                    if strategy == "speculative" else sample_loop(model, prep, cfg, text, metrics, want_chunks, clock))
             new = yield from loop
             if want_chunks and text is not None and any(rest := text.rest()):  # held back, now final
                 yield StreamChunk(new.shape[1], [[] for _ in range(B)], rest, [True] * B)
@@ -93,7 +93,7 @@ def _run(model, input_ids, attention_mask, cfg: GenerationConfig, draft_model=No
         sequences = torch.cat([prep.given_ids, new], dim=1)
     sequences = sequences.clone()  # a normal tensor (new/scores were created under inference_mode)
     scores = scores.clone() if scores is not None else None
-    metrics.total_s = timing.now(device) - t0
+    metrics.total_s = timing.now(device) - clock.start
     metrics.peak_memory_bytes = timing.peak_memory_bytes(device)
     return GenerationOutput(sequences, metrics, scores)
 

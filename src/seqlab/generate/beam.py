@@ -44,7 +44,8 @@ def _gather(x: Tensor, idx: Tensor) -> Tensor:
     return x.gather(1, idx.view(*idx.shape, *([1] * (x.dim() - 2))).expand(shape))
 
 
-def beam_search(model, prep: Prepared, cfg: GenerationConfig, metrics: GenerationMetrics) -> tuple[Tensor, Tensor]:
+def beam_search(model, prep: Prepared, cfg: GenerationConfig, metrics: GenerationMetrics,
+                clock: timing.Stopwatch | None = None) -> tuple[Tensor, Tensor]:
     """Returns (new tokens of the best hypothesis [B, n], its length-penalised score [B])."""
     device = prep.input_ids.device
     B = prep.input_ids.shape[0]
@@ -54,7 +55,7 @@ def beam_search(model, prep: Prepared, cfg: GenerationConfig, metrics: Generatio
     n_keep = max(2, 1 + len(prep.eos)) * K
     if n_keep > K * V:
         raise ValueError(f"num_beams={K} is too large for a vocabulary of {V} tokens")
-    clock = timing.Stopwatch(device)
+    clock = clock or timing.Stopwatch(device)
 
     # Prefill the B prompts once, then copy each row's cache K times.
     cache, logits, pos_ids = open_request(model, prep, max_new)
@@ -142,5 +143,5 @@ def beam_search(model, prep: Prepared, cfg: GenerationConfig, metrics: Generatio
     metrics.steps = steps
     n = int(fin_len[:, 0].max())
     metrics.new_tokens = int(fin_len[:, 0].sum())
-    metrics.finish(steps * B)
+    metrics.finish(max(metrics.new_tokens - B, 0))  # the returned tokens after each row's first, as elsewhere
     return fin_seq[:, 0, :n], fin_score[:, 0]

@@ -20,14 +20,15 @@ from seqlab.generate.text import StreamChunk, TextStream, chunk_for
 
 
 def sample_loop(model, prep: Prepared, cfg: GenerationConfig, text: TextStream | None, metrics: GenerationMetrics,
-                want_chunks: bool) -> Iterator[StreamChunk]:
-    """Generator: yields one chunk per step (when ``want_chunks``), returns the new-token block ``[B, steps]``."""
+                want_chunks: bool, clock: timing.Stopwatch | None = None) -> Iterator[StreamChunk]:
+    """Generator: yields one chunk per step (when ``want_chunks``), returns the new-token block ``[B, steps]``.
+    ``clock`` started with the request (its input checks count in the TTFT)."""
     device = prep.input_ids.device
     B = prep.input_ids.shape[0]
     max_new = cfg.max_new_tokens
     proc = LogitsProcessor(cfg.sampling())
     gen = None if proc.greedy else make_generator(cfg, device)
-    clock = timing.Stopwatch(device)
+    clock = clock or timing.Stopwatch(device)
     cache, logits, pos_ids = open_request(model, prep, max_new)
     seen = seen_tokens(model, prep, cfg)
     metrics.kv_cache_bytes = cache.nbytes
@@ -64,7 +65,8 @@ def sample_loop(model, prep: Prepared, cfg: GenerationConfig, text: TextStream |
         if want_chunks:
             still = (unfinished & ~hit if hit is not None else unfinished).tolist()
             tok_list = [t if alive else [] for t, alive in zip(tok_list, live)]
-            yield chunk_for(step, B, row_list, tok_list, [not s for s in still], texts)
+            with clock.paused():
+                yield chunk_for(step, B, row_list, tok_list, [not s for s in still], texts)
         if hit is not None:
             unfinished = unfinished & ~hit
             if not bool(unfinished.any()):

@@ -50,7 +50,8 @@ def check_draft(target, draft, cfg: GenerationConfig) -> None:
 
 
 def speculative_loop(target, draft, prep: Prepared, cfg: GenerationConfig, text: TextStream | None,
-                     metrics: GenerationMetrics, want_chunks: bool) -> Iterator[StreamChunk]:
+                     metrics: GenerationMetrics, want_chunks: bool,
+                     clock: timing.Stopwatch | None = None) -> Iterator[StreamChunk]:
     """Generator (like the sampling loop): yields StreamChunks, returns new tokens [B, n]."""
     check_draft(target, draft, cfg)
     device = prep.input_ids.device
@@ -59,7 +60,7 @@ def speculative_loop(target, draft, prep: Prepared, cfg: GenerationConfig, text:
     proc = LogitsProcessor(cfg.sampling())
     gen = make_generator(cfg, device)
     draft.eval()
-    clock = timing.Stopwatch(device)
+    clock = clock or timing.Stopwatch(device)
 
     slots = T + max_new + K + 1 if B == 1 else T + (K + 1) * max_new + 1  # holes appear only when B > 1
     for role, m, need in (("target", target, slots), ("draft", draft, slots + 1)):
@@ -118,7 +119,8 @@ def speculative_loop(target, draft, prep: Prepared, cfg: GenerationConfig, text:
         if rounds == 0:
             metrics.ttft_s = clock.lap("prefill")
         if want_chunks:
-            yield chunk_for(rounds, B, row_list, tok_list, done.tolist(), texts)
+            with clock.paused():
+                yield chunk_for(rounds, B, row_list, tok_list, done.tolist(), texts)
         if bool(done.all()):
             break
         if bool(done.any()):
