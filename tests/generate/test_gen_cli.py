@@ -166,3 +166,60 @@ def test_an_encoder_decoder_prints_its_output_for_the_source_it_was_trained_on(t
     assert doc["sequences"] == ref.tolist()
     text = tok.decode(ref[0, 1:].tolist())
     assert doc["outputs"] == [text.strip()] and capsys.readouterr().out == text.strip() + "\n"
+
+
+def _saying_eos_where_it_said(model, said: int, eos: int) -> None:
+    """Swap two output rows: the model now emits ``eos`` wherever it emitted ``said`` (and the reverse)."""
+    with torch.no_grad():
+        w = model.lm_head.proj.weight
+        w[[said, eos]] = w[[eos, said]].clone()
+
+
+def test_a_row_that_stops_early_prints_no_padding(tmp_path):
+    """Without a pad token the finished row was filled with id 0 and its NULs printed (with a Llama 3 tokenizer
+    that reads "!!!!"). Hugging Face pads with EOS, which decodes to nothing; and the text stops at the EOS anyway."""
+    tok = ByteTokenizer(specials=["<bos>", "<eos>"])  # no <pad>
+    prompts, T = ["hello", "a"], 6
+    for seed in range(50):
+        model = tiny_decoder(seed=seed, vocab_size=tok.vocab_size, max_seq_len=32, bos_token_id=tok.bos_id)
+        rows = [[tok.bos_id, *tok.encode(p)] for p in prompts]
+        ids = torch.tensor([[0] * (T - len(r)) + r for r in rows])
+        free = generate(model, ids, attention_mask=(ids != 0).long(), max_new_tokens=8, eos_token_id=[])[:, T:]
+        said = free[1, 1].item()  # row 1's second token becomes EOS; row 0 never says it
+        if said not in free[0].tolist() and said != free[1, 0].item() and said not in (0, tok.eos_id):
+            break
+    _saying_eos_where_it_said(model, said, tok.eos_id)
+    model.config.eos_token_id = tok.eos_id
+    save_pretrained(model, tmp_path / "m")
+    tok.save(tmp_path / "m" / "tokenizer.json")
+    assert main(["generate", "--checkpoint", str(tmp_path / "m"), "--prompt", prompts[0], "--prompt", prompts[1],
+                 "--max-new-tokens", "8", "--no-accel", "--json", str(tmp_path / "out.json")]) == 0
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["sequences"][1][T + 1:] == [tok.eos_id] * 7  # padded with EOS
+    assert doc["outputs"][1] == tok.decode([free[1, 0].item()]) and "\x00" not in doc["outputs"][1]
+
+
+def test_every_eos_a_config_lists_ends_generation_and_a_chat_turn(tmp_path):
+    """A Hugging Face config's EOS list (Llama 3: end of text, end of message, end of turn) stops `generate()`;
+    the CLI and the chat stopped only at the tokenizer's EOS and ran on past the others."""
+    from seqlab.cli.chat import ChatSession
+    from seqlab.generate.chat import end_ids, turn_end_ids
+
+    tok = ByteTokenizer(specials=["<|begin_of_text|>", "<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"],
+                        chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    end, eom, eot = (tok.token_to_id(t) for t in ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"))
+    model = tiny_decoder(seed=1, vocab_size=tok.vocab_size, max_seq_len=64)
+    prompt = torch.tensor([list(b"hello")])
+    free = generate(model, prompt, max_new_tokens=3, eos_token_id=[])[0, 5:].tolist()
+    _saying_eos_where_it_said(model, free[2], eom)  # the third token is now <|eom_id|>
+    model.config.eos_token_id = end
+    model.config.extra["eos_token_ids"] = [end, eom, eot]
+    assert eom in end_ids(tok, model.config) and eom in turn_end_ids(tok, model.config)
+    save_pretrained(model, tmp_path / "m")
+    tok.save(tmp_path / "m" / "tokenizer.json")
+    assert main(["generate", "--checkpoint", str(tmp_path / "m"), "--prompt", "hello", "--no-bos",
+                 "--max-new-tokens", "8", "--no-accel", "--json", str(tmp_path / "out.json")]) == 0
+    assert json.loads((tmp_path / "out.json").read_text())["sequences"][0][5:] == [*free[:2], eom]
+    shown: list[str] = []
+    reply = ChatSession(model, tok, max_new_tokens=8, temperature=0).reply("hello", on_text=shown.append)
+    assert reply == tok.decode(free[:2]) and "".join(shown) == reply

@@ -77,7 +77,7 @@ class ChatSession:
         self.model, self.tokenizer, self.system = model, tokenizer, system
         self.gen = dict(max_new_tokens=max_new_tokens, do_sample=temperature > 0, temperature=temperature or 1.0,
                         top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty, seed=seed,
-                        eos_token_id=turn_end_ids(tokenizer), compile=compile)
+                        eos_token_id=turn_end_ids(tokenizer, model.config), compile=compile)
         self.messages: list[dict[str, str]] = []
         self.reset()
 
@@ -121,6 +121,8 @@ class ChatSession:
                     on_text(text[shown:])
                     shown = len(text)
         text = self.tokenizer.decode(new, skip_special_tokens=True)
+        if on_text is not None and len(text) > shown:  # the piece held back at the end (a character cut short)
+            on_text(text[shown:])
         self.messages.append({"role": "assistant", "content": text.strip()})
         return text
 

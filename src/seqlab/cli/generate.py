@@ -16,8 +16,9 @@ import torch
 from seqlab.accel import accelerate
 from seqlab.cli.model_args import add_model_source, load_model, prompt_ids
 from seqlab.generate import GenerationConfig, generate_output, stream
-from seqlab.generate.chat import turn_end_ids
+from seqlab.generate.chat import end_ids, turn_end_ids
 from seqlab.generate.engine import is_encoder_decoder
+from seqlab.generate.text import until_eos
 from seqlab.io import load_pretrained
 from seqlab.quant.convert import model_layout
 from seqlab.runtime import atomic_write_text
@@ -171,7 +172,9 @@ def run(args: argparse.Namespace) -> int:
                 for p in prompts]
     else:
         rows = [prompt_ids(loaded, p, bos=not args.no_bos) for p in prompts]
-    pad = tok.pad_id if tok.pad_id is not None else (model.config.pad_token_id or 0)
+    eos = turn_end_ids(tok, model.config) if args.chat else end_ids(tok, model.config)
+    # as Hugging Face does without a pad token: the first EOS (a special token, so no text) pads the finished rows
+    pad = next((p for p in (tok.pad_id, model.config.pad_token_id, *eos) if p is not None), 0)
     T = max(len(r) for r in rows)
     context = model.config.max_seq_len
     read = min(T, context) if args.truncate else T  # (a longer prompt without --truncate is an error further on)
@@ -183,8 +186,6 @@ def run(args: argparse.Namespace) -> int:
     ids = torch.tensor([[pad] * (T - len(r)) + r for r in rows], dtype=torch.long,
                        device=next(model.parameters()).device)
     mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=ids.device)
-    eos = [e for e in dict.fromkeys([model.config.eos_token_id, tok.eos_id, tok.eot_id,
-                                     *(turn_end_ids(tok) if args.chat else [])]) if e is not None]
 
     cfg = GenerationConfig(
         max_new_tokens=args.max_new_tokens,
@@ -215,13 +216,13 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         sys.stdout.write("\n")
         out = s.output
-        texts = [tok.decode(out.sequences[0, first_new:].tolist())]
+        texts = [tok.decode(until_eos(out.sequences[0, first_new:].tolist(), eos))]
         texts = [t.strip() for t in texts] if alone else texts
     else:
         out = generate_output(model, ids, mask, cfg, draft_model=draft, tokenizer=tok)
         texts = []
         for i, p in enumerate(prompts):
-            text = tok.decode(out.sequences[i, first_new:].tolist())
+            text = tok.decode(until_eos(out.sequences[i, first_new:].tolist(), eos))  # not the padding after it
             shown = text.strip() if alone else f"{p}{text}"  # a reply alone; a completion after its prompt
             texts.append(text.strip() if alone else text)
             print(shown if len(prompts) == 1 else f"[{i}] {shown}")

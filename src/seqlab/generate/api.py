@@ -21,7 +21,7 @@ from seqlab.generate.loop import sample_loop
 from seqlab.generate.metrics import GenerationMetrics
 from seqlab.generate.request import prepare, strategy_of
 from seqlab.generate.speculative import speculative_loop
-from seqlab.generate.text import Stream, StreamChunk, TextStream
+from seqlab.generate.text import Stream, StreamChunk, TextStream, until_eos
 
 
 @dataclass
@@ -51,7 +51,7 @@ def _beam_chunk(new: Tensor, eos: list[int], text: TextStream | None) -> StreamC
     """Beam search's one chunk: each row's tokens up to its EOS (the padding after it left out), and their text
     where there is a tokenizer."""
     rows = new.tolist()
-    tokens = [r[: next((i + 1 for i, t in enumerate(r) if t in eos), len(r))] for r in rows]
+    tokens = [until_eos(r, eos) for r in rows]
     texts = None
     if text is not None:
         texts, _, _ = text.push(list(range(len(rows))), tokens)

@@ -12,13 +12,24 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from seqlab.generate.config import GenerationConfig
+
 # Chat-turn terminators used by common templates; any of them present in the vocabulary ends a reply.
-TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>", "</s>")
+TURN_END_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "<end_of_turn>", "</s>")
 
 
-def turn_end_ids(tokenizer) -> list[int]:
-    """Ids that end an assistant turn: EOS, the end-of-turn token, and any standard terminator in the vocabulary."""
+def end_ids(tokenizer, model_config=None) -> list[int]:
+    """Ids that end a completion: the tokenizer's EOS and end-of-turn, and every EOS the model's config lists (a
+    Hugging Face config may list several: Llama 3's end of text, end of message and end of turn)."""
     ids = [i for i in (tokenizer.eos_id, tokenizer.eot_id) if i is not None]
+    if model_config is not None:
+        ids += GenerationConfig().eos_ids(model_config)
+    return list(dict.fromkeys(ids))
+
+
+def turn_end_ids(tokenizer, model_config=None) -> list[int]:
+    """Ids that end an assistant turn: :func:`end_ids`, and any standard terminator in the vocabulary."""
+    ids = end_ids(tokenizer, model_config)
     for tok in TURN_END_TOKENS:
         i = tokenizer.token_to_id(tok)
         if i is not None and i in tokenizer.special_ids:

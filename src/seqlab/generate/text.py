@@ -11,6 +11,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def until_eos(tokens: list[int], eos) -> list[int]:
+    """A row's tokens up to and including its first EOS: what follows is padding (an id that may well be text)."""
+    return tokens[: next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))]
+
+
 class TextTracker:
     """Incremental detokenisation per row, for streaming text and stop strings.
 

@@ -18,7 +18,7 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from seqlab.generate.chat import chat_prompt_ids, turn_end_ids
+from seqlab.generate.chat import chat_prompt_ids, end_ids, turn_end_ids
 from seqlab.serve import protocol
 from seqlab.serve.protocol import APIError
 from seqlab.serve.scheduler import Engine, Event, NotAcceptingError, QueueFullError, Request
@@ -33,8 +33,8 @@ def create_app(engine: Engine, tokenizer, model_name: str,
     the rule ``seqlab generate`` uses, so both read a prompt alike (a seqlab checkpoint's starts with BOS)."""
     created = int(time.time())
     encode_prompt = encode_prompt or tokenizer.encode
-    chat_stop_ids = turn_end_ids(tokenizer)
-    eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+    chat_stop_ids = turn_end_ids(tokenizer, engine.model.config)
+    eos = end_ids(tokenizer, engine.model.config)  # a completion ends where `seqlab generate`'s does
     # no token holds more UTF-8 bytes than this (a special token's text included), so a text longer than the
     # context times it cannot fit, however it tokenizes: refused before tokenizing, which would block every client
     # (5 MB of prompt: 7.9 s) for an answer known in advance
