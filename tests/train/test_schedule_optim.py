@@ -5,7 +5,7 @@ import pytest
 from seqlab.train import TrainConfig, TrainConfigError
 from seqlab.train.optim import build_optimizer, param_groups
 from seqlab.train.schedule import LRSchedule
-from tests.train.conftest import tiny_model
+from tests.train.conftest import make_trainer, tiny_model
 
 
 def test_warmup_then_cosine_to_floor():
@@ -47,6 +47,22 @@ def test_a_warmup_fraction_starts_as_the_same_warmup_in_steps_does():
     frac = LRSchedule(TrainConfig(lr=1.0, max_steps=1000, warmup_frac=0.1))
     steps = LRSchedule(TrainConfig(lr=1.0, max_steps=1000, warmup_steps=100))
     assert frac(0) == pytest.approx(steps(0)) == pytest.approx(1 / 101)
+
+
+def test_a_warmup_fraction_under_a_time_budget_does_not_waste_its_first_update(tmp_path):
+    """With a time budget the first update's progress counts its own compute: it was taken at progress 0, at
+    lr / (warmup_frac x max_steps + 1), lr / 500001 here (the demo's recipe: lr / 30001)."""
+    trainer = make_trainer(tmp_path, steps=10**6, max_time_s=0.1, warmup_frac=0.5, warmup_steps=0, lr=1.0)
+    first = trainer.train_step()["lr"]
+    assert 1e-3 < first < 1.0
+
+
+@pytest.mark.parametrize("seconds", [0.0, -5.0, float("inf"), float("nan")])
+def test_eval_and_time_intervals_must_be_positive_seconds(seconds):
+    """eval_interval_s=0 divided by zero in the trainer and a negative one looped for ever (ignoring SIGTERM)."""
+    for name in ("eval_interval_s", "max_time_s"):
+        with pytest.raises(TrainConfigError, match=f"TrainConfig.{name}: must be a positive finite number"):
+            TrainConfig(**{name: seconds})
 
 
 def test_no_decay_on_vectors_and_tied_weights_counted_once(tok):

@@ -112,8 +112,10 @@ class TrainConfig:
             raise TrainConfigError("min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio!r}")
         if self.warmup_frac is not None and not 0.0 <= self.warmup_frac < 1.0:
             raise TrainConfigError("warmup_frac", f"must be in [0, 1), got {self.warmup_frac!r}")
-        if self.max_time_s is not None and not self.max_time_s > 0:
-            raise TrainConfigError("max_time_s", f"must be positive, got {self.max_time_s!r}")
+        for name in ("max_time_s", "eval_interval_s"):  # (0 divided by zero; a negative one looped for ever)
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise TrainConfigError(name, f"must be a positive finite number of seconds, got {value!r}")
         if self.weight_decay < 0:
             raise TrainConfigError("weight_decay", f"must be >= 0, got {self.weight_decay!r}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):

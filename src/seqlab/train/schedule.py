@@ -48,3 +48,10 @@ class LRSchedule:
         if cfg.schedule == "constant":
             return cfg.lr
         return cosine_decay(0.0 if pw >= 1.0 else max(p - pw, 0.0) / (1.0 - pw), cfg.lr, cfg.min_lr_ratio)
+
+    def apply(self, optimizer, step: int, train_seconds: float = 0.0) -> float:
+        """Set every parameter group's learning rate for update ``step``; return it."""
+        lr = self(step, train_seconds)
+        for g in optimizer.param_groups:
+            g["lr"] = lr
+        return lr

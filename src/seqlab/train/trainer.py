@@ -224,6 +224,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step over this rank's micro-batches; returns the step's record (not yet logged)."""
         cfg, coll = self.cfg, self.dist.collective_device
+        t_begin = time.perf_counter()
         self.model.train()
         micro = [self.objective.collate([self.train_data[i] for i in idx]) for idx in self.sampler.next_step()]
         micro = [to_device(b, self.device) for b in micro]
@@ -234,9 +235,6 @@ class Trainer:
         if n_targets <= 0:
             raise RuntimeError(f"step {self.step + 1}: the global batch has no valid targets (every label is ignored; "
                                f"are the answers cut off by seq_len={cfg.seq_len}? try a larger --seq-len)")
-        lr = self.schedule(self.step, self.train_seconds)
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
         scale = self.dist.world_size / n_targets
         loss_sum = torch.zeros((), dtype=torch.float64, device=coll)
         metric_sums: dict[str, float] = {}
@@ -253,6 +251,10 @@ class Trainer:
                 metric_weights[k] = metric_weights.get(k, 0) + out.weight(k)
         if self.fsdp:
             set_grad_sync(self.model, True)
+        seconds = self.train_seconds  # under a time budget with this step's compute so far, by rank 0's clock:
+        if cfg.max_time_s is not None:  # at progress 0 a warmup fraction's first update was lr / (max_steps + 1)
+            seconds = D.broadcast_float(seconds + time.perf_counter() - t_begin, self.dist)
+        lr = self.schedule.apply(self.optimizer, self.step, seconds)
         D.all_reduce_sum(loss_sum, self.dist)
         step_loss = float(loss_sum) / n_targets
         if not math.isfinite(step_loss):
