@@ -331,3 +331,17 @@ def test_sse_wire_format(server):
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
     first = json.loads(events[0][6:])
     assert first["object"] == "chat.completion.chunk" and first["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_a_completions_default_16_tokens_past_the_context_is_refused_like_an_explicit_16(tiny_gguf):
+    """With no max_tokens a completion asks for 16 (OpenAI's default): where the context had room for fewer, the
+    reply was quietly shortened and ended "length", while the same request with max_tokens 16 was refused."""
+    _, tokenizer = load_gguf(tiny_gguf)
+    prompt = "the cat sat on the mat " * 3
+    n = len(tokenizer.encode(prompt))
+    with running_server(tiny_gguf, context=n + 8) as (url, _):
+        with pytest.raises(openai.BadRequestError) as e:
+            client(url).completions.create(model=MODEL_ID, prompt=prompt, temperature=0)
+        assert e.value.body["code"] == "context_length_exceeded" and "max_tokens 16" in e.value.body["message"]
+        r = client(url).completions.create(model=MODEL_ID, prompt=prompt, temperature=0, max_tokens=8)
+        assert r.usage.completion_tokens <= 8

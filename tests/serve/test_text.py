@@ -38,3 +38,25 @@ def test_chat_replies_are_stripped_and_split_characters_wait():
     pieces, _ = _stream([ord(" "), ord("\n"), ord("h"), 0xFFFD, ord("i"), ord(" "), ord(" ")], strip=True)
     assert "".join(pieces) == "h\ufffdi"
     assert pieces[:3] == ["", "", "h"] and pieces[3] == ""
+
+
+def test_a_stop_string_starting_in_the_stripped_whitespace_is_held_back():
+    """A chat reply is left-stripped: the tail check ran on the stripped text, so "^" of the stop "\\t^x" was sent
+    before the whole stop string arrived and cut the reply to nothing."""
+    pieces, r = _stream([ord(c) for c in "\t^xyz"], stop=["\t^x"], strip=True)
+    assert r.stopped and pieces == ["", "", "", ""]
+
+
+def test_the_reply_is_cut_at_the_earliest_stop_whatever_their_order():
+    """Cut at each stop string in list order, ["ed", "Re"] on "1. Red" kept "1. R", the start of a stop string."""
+
+    class Pieces:
+        pieces = ["1.", " ", "Red"]  # "Red" arrives as one token: both stops complete at once
+
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(self.pieces[i] for i in ids)
+
+    for stop in (["ed", "Re"], ["Re", "ed"]):
+        r = ReplyText(Pieces(), stop, strip=False)
+        sent = r.push(0) + r.push(1) + r.push(2)
+        assert r.stopped and r.text == sent == "1. ", stop

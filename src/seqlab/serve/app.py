@@ -90,11 +90,13 @@ def create_app(engine: Engine, tokenizer, model_name: str,
 
     async def _run(http: HTTPRequest, body: protocol.GenerationRequest, ids: list[int], stop_ids: list[int],
                    chat: bool, param: str):
-        if body.max_tokens is not None and len(ids) < engine.context < len(ids) + body.max_tokens:
+        # a completion's default of 16 is asked for as if sent (OpenAI refuses it too); a chat's fills the context
+        asked = body.max_tokens if body.max_tokens is not None else None if chat else COMPLETION_MAX_TOKENS
+        if asked is not None and len(ids) < engine.context < len(ids) + asked:
             raise APIError(400, f"{param}: the context holds {engine.context} tokens, and this request asks for "
-                                f"{len(ids) + body.max_tokens} ({len(ids)} of prompt, max_tokens {body.max_tokens}); "
+                                f"{len(ids) + asked} ({len(ids)} of prompt, max_tokens {asked}); "
                                 f"lower max_tokens or the prompt", param=param, code="context_length_exceeded")
-        max_tokens = body.max_tokens or (engine.context if chat else COMPLETION_MAX_TOKENS)
+        max_tokens = asked or engine.context
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
         req = Request(ids, max_tokens, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev), tokenizer,

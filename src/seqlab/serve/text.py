@@ -21,16 +21,14 @@ class ReplyText:
     def push(self, token: int) -> str:
         """Add one generated token; return the piece that may be sent now (sets ``stopped`` on a stop string)."""
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for s in self.stop:
-            cut = text.find(s)
-            if cut >= 0:
-                text = text[:cut]
-                self.stopped = True
-        if self.strip:
-            text = text.lstrip()
-        self.text = text
-        return "" if self.stopped else self._release(self._safe_end(text))
+        raw = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        cuts = [i for i in (raw.find(s) for s in self.stop) if i >= 0]
+        if cuts:  # at the earliest match: cutting at each in list order could keep the start of an earlier one
+            raw, self.stopped = raw[: min(cuts)], True
+        lead = len(raw) - len(raw.lstrip()) if self.strip else 0
+        self.text = raw[lead:]
+        # the held-back tail is found in the text as generated: a stop string may begin in the stripped whitespace
+        return "" if self.stopped else self._release(max(self._safe_end(raw) - lead, self.sent))
 
     def finish(self) -> str:
         """The rest of the text once the reply is over (nothing more will come)."""
@@ -42,7 +40,7 @@ class ReplyText:
     def _safe_end(self, text: str) -> int:
         end = len(text)
         if text.endswith("\ufffd"):
-            return self.sent
+            return 0
         for s in self.stop:  # longest tail of the text that is a proper prefix of a stop string
             for k in range(min(len(s) - 1, len(text)), 0, -1):
                 if text.endswith(s[:k]):
@@ -50,7 +48,7 @@ class ReplyText:
                     break
         if self.strip:
             end = min(end, len(text[:end].rstrip()))
-        return max(end, self.sent)
+        return end
 
     def _release(self, end: int) -> str:
         piece = self.text[self.sent : end]
