@@ -117,6 +117,13 @@ NNQS_CASES: list[Case] = [
     Case("nnqs-negative-anneal", ["nnqs", "--molecule", "h2", "--anneal", "-0.1", "--out", "{tmp}/o"], "--anneal must be >= 0"),
     Case("nnqs-max-batch-0", ["nnqs", "--molecule", "h2", "--max-batch", "0", "--out", "{tmp}/o"], "--max-batch must be >= 1"),
     Case("nnqs-samples-0", ["nnqs", "--molecule", "h2", "--samples", "0", "--out", "{tmp}/o"], "--samples must be a positive integer"),
+    # these three were refused only after the SCF, the references and the warm-start fit
+    Case("nnqs-samples-past-2-53", ["nnqs", "--molecule", "h2", "--estimator", "sampled", "--samples", "1e17", "--out", "{tmp}/o"],
+         "--samples must be a positive integer of at most 2^53, got 1e+17"),
+    Case("nnqs-samples-final-below", ["nnqs", "--molecule", "h2", "--samples", "1e4", "--samples-final", "1e3", "--out", "{tmp}/o"],
+         "--samples-final must be >= --samples (10000): the ramp grows, got 1000"),
+    Case("nnqs-lbfgs-sampled", ["nnqs", "--molecule", "h2", "--estimator", "sampled", "--lbfgs-steps", "5", "--out", "{tmp}/o"],
+         "--lbfgs-steps needs a summed energy"),
     Case("nnqs-exact-tail-1", ["nnqs", "--molecule", "h2", "--exact-tail", "1", "--out", "{tmp}/o"], "--exact-tail must be in [0, 1)"),
     Case("nnqs-exact-max-0", ["nnqs", "--molecule", "h2", "--exact-max-configs", "0", "--out", "{tmp}/o"], "--exact-max-configs must be >= 1"),
     Case("nnqs-min-lr-ratio-0", ["nnqs", "--molecule", "h2", "--min-lr-ratio", "0", "--out", "{tmp}/o"], "--min-lr-ratio must be in (0, 1]"),

@@ -130,6 +130,16 @@ def test_cli_refuses_an_existing_run_unless_resumed_or_moved_aside(tmp_path, cap
     assert "moved to" in capsys.readouterr().err
 
 
+def test_an_empty_energy_log_is_no_run_and_does_not_block_the_same_command(tmp_path):
+    """A run that failed or was stopped before step 0 leaves the log it opened, empty: that refused the corrected
+    command as "already holds a run"."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "energies.jsonl").write_text("")
+    assert _cli(["--molecule", "h2", "--steps", "2", "--out", str(out), "--quiet", "--no-cc"]) == 0
+    assert len((out / "energies.jsonl").read_text().splitlines()) == 2
+
+
 def test_cli_resume_refuses_another_recipe_and_reports_the_whole_run(tmp_path):
     """--resume with options that change the run is refused, every changed field named with old -> new and nothing
     written; more --steps, another --checkpoint-every and the output options are allowed. The resumed result.json

@@ -77,13 +77,24 @@ def check_resume_flags(args: argparse.Namespace, out: Path, n_orb: int, n_alpha:
     check_same_run(where, saved, flag_settings(args, n_configurations, steps), start, asdict(ansatz_of(args)))
 
 
+def _sample_count(flag: str, value: float | None) -> int | None:
+    """A sample count flag as an integer: positive, whole, and at most 2^53 (float64 counts stay exact)."""
+    if value is None:
+        return None
+    n = int(value) if value == value and abs(value) != float("inf") else 0
+    if n != value or not 1 <= n <= 2**53:
+        raise ValueError(f"{flag} must be a positive integer of at most 2^53, got {value:g}")
+    return n
+
+
 def check_flags(args: argparse.Namespace) -> int | None:
     """Refuse impossible numbers before any work starts; returns N_s as an integer (None: by the sector's size)."""
-    samples = None
-    if args.samples is not None:
-        samples = int(args.samples) if args.samples == args.samples and abs(args.samples) != float("inf") else 0
-        if samples != args.samples or samples < 1:
-            raise ValueError(f"--samples must be a positive integer, got {args.samples:g}")
+    samples, final = (_sample_count(flag, value) for flag, value in (("--samples", args.samples),
+                                                                      ("--samples-final", args.samples_final)))
+    if samples is not None and final is not None and final < samples:
+        raise ValueError(f"--samples-final must be >= --samples ({samples:g}): the ramp grows, got {final:g}")
+    if args.lbfgs_steps and args.estimator == "sampled":  # (auto decides by the sector's size, known later)
+        raise ValueError("--lbfgs-steps needs a summed energy (--estimator exact-sum or selected-sum), not samples")
     for flag, value, low in (("--warmup", args.warmup, 0), ("--anneal", args.anneal, 0), ("--steps", args.steps, 1),
                              ("--max-batch", args.max_batch, 1), ("--checkpoint-every", args.checkpoint_every, 1),
                              ("--threads", args.threads, 1), ("--warm-start-steps", args.warm_start_steps, 0),

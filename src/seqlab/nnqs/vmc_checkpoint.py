@@ -129,7 +129,12 @@ def existing_run(out: Path) -> Path | None:
     latest = checkpoint_store(out, None).latest()
     if latest is not None:
         return latest
-    return first_existing(out, (LEGACY_CHECKPOINT, *RUN_FILES))
+    found = first_existing(out, (LEGACY_CHECKPOINT, *RUN_FILES))
+    if found is not None and found.name == LOG and found.stat().st_size == 0:
+        # opened before step 0 by a run that failed or was stopped there: no run, and it must not block the same
+        # command (the log is appended to, so the new run writes into it as into a fresh one)
+        return first_existing(out, (LEGACY_CHECKPOINT, *RUN_FILES[1:]))
+    return found
 
 
 def checkpointed_steps(out: Path) -> int | None:
