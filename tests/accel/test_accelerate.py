@@ -292,6 +292,20 @@ def test_a_callers_own_route_keeps_its_own_cache_entries():
         k.startswith("decode|") and "routes=" not in k for k in entries)
 
 
+def test_a_cached_route_this_process_lacks_is_not_chosen():
+    """An entry naming a route seqlab does not have here (a newer seqlab sharing the cache, a hand edit) won its
+    choice and crashed accelerate() with a KeyError."""
+    accelerate(tiny_model(), "decode", rows=1, dtype="fp32", budget_s=0.3, fused=False)
+    path = calibrate.cache_path(current_signature())
+    doc = json.loads(path.read_text())
+    for k, v in doc["entries"].items():
+        if k.startswith("decode|"):
+            v["future-route"] = min(v.values()) / 10
+    path.write_text(json.dumps(doc))
+    again = accelerate(tiny_model(), "decode", rows=1, dtype="fp32", budget_s=0.3, fused=False, verify=False)
+    assert all(c.route != "future-route" for c in again.accel_plan.shapes["fp32"])
+
+
 def test_restore_plain_gives_back_the_dtype_and_what_trained(monkeypatch):
     """After a bf16 plan, restore_plain casts the model back to fp32 (its values keep bf16's rounding); packed
     layers come back as trainable as they were (a restore once froze them)."""

@@ -210,7 +210,8 @@ def plan_for(model: nn.Module, for_: str = "decode", *, rows: int | None = None,
     dtypes = _candidate_dtypes(model, for_, rows, dtype)
     calib_rows = rows if for_ == "decode" else min(rows, MAX_CALIBRATION_ROWS)
     uses = [Use(for_, calib_rows, dt) for dt in dtypes]
-    extra = {r.name for r in all_routes} - {r.name for r in builtin_routes()}
+    known = {r.name for r in all_routes}
+    extra = known - {r.name for r in builtin_routes()}
 
     def key(use: Use, shape: tuple[int, int, bool]) -> str:
         return shape_key(use, *shape, extra_routes=extra)
@@ -228,7 +229,8 @@ def plan_for(model: nn.Module, for_: str = "decode", *, rows: int | None = None,
     for use in uses:
         choices, total = [], 0.0
         for (i, o, b), n in shapes.items():
-            timings = entries[key(use, (i, o, b))]
+            # a route the cache names that this process lacks (a newer seqlab's, a hand edit) cannot be chosen
+            timings = {r: t for r, t in entries[key(use, (i, o, b))].items() if r in known}
             best = fastest(timings)
             choices.append(ShapeChoice(i, o, n, best, timings))
             total += n * timings[best]
