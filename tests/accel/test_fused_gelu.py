@@ -34,6 +34,17 @@ def test_values_and_gradients_are_torchs(isa, dtype, atol, gatol):
     torch.testing.assert_close(a.grad.float(), b.grad.float(), atol=gatol, rtol=1e-4)
 
 
+def test_a_second_derivative_is_torchs():
+    """With a constant incoming gradient (a .sum()) the kernel's gradient was a constant too: the second
+    derivative came out without GELU's own term, silently (-6.76 for -6.60)."""
+    x = torch.randn(3, 8, requires_grad=True, generator=torch.Generator().manual_seed(0))
+    seconds = []
+    for act in (FusedGeluTanh({torch.float32: ISAS[0]}), lambda t: F.gelu(t, approximate="tanh")):
+        (gx,) = torch.autograd.grad(act(x).sum() + (x ** 3).sum(), x, create_graph=True)
+        seconds.append(torch.autograd.grad(gx.sum(), x)[0])
+    torch.testing.assert_close(seconds[0], seconds[1], atol=1e-5, rtol=1e-5)
+
+
 def test_other_layouts_and_dtypes():
     act = FusedGeluTanh({torch.float32: ISAS[0]})
     x = torch.randn(8, 6)

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
+from seqlab.accel.first_order import first_order_only
 from seqlab.runtime import native
 
 SOURCE = Path(__file__).with_name("attention_amx.c")
@@ -103,7 +103,7 @@ class _AmxCausalAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # the C backward builds no graph: a second derivative must fail loudly, not vanish
+    @first_order_only("AMX attention")  # no graph of its gradient: fail, not vanish
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout.to(torch.bfloat16)

@@ -55,6 +55,8 @@ class _GeluTanh(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy: Tensor):
         (x,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # a graph of the gradient is wanted (a second derivative): torch's formula has one
+            return torch.ops.aten.gelu_backward(gy.to(x.dtype), x, approximate="tanh"), None
         gy = gy.to(x.dtype).contiguous()
         gx = torch.empty_like(x)
         library(ctx.isa).seqlab_gelu_tanh_bwd(x.data_ptr(), gy.data_ptr(), gx.data_ptr(), x.numel(),

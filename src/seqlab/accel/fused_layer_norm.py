@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from seqlab.accel.calibrate import best_of_rounds, builds_per_dtype, describe_builds, dtype_name
+from seqlab.accel.first_order import first_order_only
 from seqlab.model.layers import LayerNorm
 from seqlab.model.transformer import Block
 from seqlab.runtime import native
@@ -63,7 +63,7 @@ class _LayerNorm(torch.autograd.Function):
         return y.view(x.shape)
 
     @staticmethod
-    @once_differentiable  # the C backward builds no graph: a second derivative must fail loudly, not vanish
+    @first_order_only("layer norm")  # no graph of its gradient: fail, not vanish
     def backward(ctx, dy: Tensor):
         x2, weight, mean, rstd = ctx.saved_tensors
         n, threads = x2.shape[1], torch.get_num_threads()

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd.function import once_differentiable
 
 from seqlab.accel import attention_amx
 from seqlab.accel.calibrate import best_of_rounds, builds_per_dtype, describe_builds, dtype_name
+from seqlab.accel.first_order import first_order_only
 from seqlab.accel.prefill_attention import HEAD_DIM_MULTIPLE, SIMD, TILES, causal_attention, takes
 from seqlab.accel.prefill_attention import SOURCE as FORWARD_SOURCE
 from seqlab.accel.prefill_attention import library as forward_library
@@ -82,7 +82,7 @@ class _CausalAttention(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable  # the C backward builds no graph: a second derivative must fail loudly, not vanish
+    @first_order_only("training attention")  # no graph of its gradient: fail, not vanish
     def backward(ctx, dout: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout if dout.stride(-1) == 1 else dout.contiguous()
