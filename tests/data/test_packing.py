@@ -2,8 +2,13 @@
 
 import pytest
 
+from seqlab.data import build_dataset
+from seqlab.data.byte_tokenizer import byte_backend
 from seqlab.data.packing import PAD_DOCUMENT, pack_documents, packing_efficiency
-from seqlab.objectives import CausalLM
+from seqlab.data.tokenizer import Tokenizer
+from seqlab.objectives import CausalLM, build_objective
+from seqlab.objectives.clm import next_token_labels
+from seqlab.objectives.loss import IGNORE_INDEX
 from tests.objectives.helpers import TOK, tiny_model
 
 DOCS = ["Is this a dagger which I see before me,", "The handle toward my hand?", "Come, let me clutch thee.",
@@ -55,3 +60,27 @@ def test_packed_loss_equals_unpacked(pos):
     leaky = dict(packed_batch)
     leaky.pop("document_ids")
     assert abs(float(obj.loss(model, leaky).loss_sum.detach()) - b) > 1e-5 * abs(b)
+
+
+def test_a_tokenizer_without_pad_packs_and_one_token_separates_documents(tmp_path):
+    """GPT-2's tokenizer has no pad and BOS is EOS: --pack crashed on the missing pad (TypeError), and would have
+    put two <|endoftext|> between documents. Padding stays out of the targets; each document's EOS is one."""
+    tok = Tokenizer.from_backend(byte_backend(["<|endoftext|>"]), name="gpt2like")
+    assert tok.pad_id is None and tok.bos_id == tok.eos_id
+    (tmp_path / "docs.jsonl").write_text("".join(f'{{"text": "doc {i}"}}\n' for i in range(30)))
+    ds = build_dataset("clm", tmp_path / "docs.jsonl", tok, 32, "train", pack=True)
+    batch = build_objective("clm", tok).collate([ds[i] for i in range(len(ds))])
+    ids, docs = batch["input_ids"][0].tolist(), batch["document_ids"][0].tolist()
+    assert ids[:14] == [*b"doc 10", tok.eos_id, *b"doc 11", tok.eos_id] and docs[:14] == [0] * 7 + [1] * 7
+    targets = next_token_labels(batch["labels"], batch["document_ids"], batch["attention_mask"])
+    real = batch["document_ids"][:, 1:] >= 0
+    assert bool((targets[~real] == IGNORE_INDEX).all()) and int((targets == tok.eos_id).sum()) > 0
+
+
+def test_mlm_rows_without_bos_or_eos(tmp_path):
+    """A tokenizer with only <pad> and <mask> put None at both ends of every MLM row (a TypeError in collate)."""
+    tok = Tokenizer.from_backend(byte_backend(["<pad>", "<mask>"]), name="nobos")
+    (tmp_path / "t.txt").write_text("hello world, " * 40)
+    ds = build_dataset("mlm", tmp_path / "t.txt", tok, 16, "train")
+    assert len(ds[0]) == 16 and None not in ds[0]
+    build_objective("mlm", tok).collate([ds[i] for i in range(len(ds))])

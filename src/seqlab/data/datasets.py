@@ -127,8 +127,8 @@ def _window(stream: torch.Tensor, seq_len: int, stride: int, i: int) -> list[int
     return stream[i * stride: i * stride + seq_len].tolist()
 
 
-def _mlm_row(stream: torch.Tensor, body: int, bos: int, eos: int, i: int) -> list[int]:
-    return [bos] + stream[i * body: (i + 1) * body].tolist() + [eos]
+def _mlm_row(stream: torch.Tensor, body: int, start: list[int], end: list[int], i: int) -> list[int]:
+    return start + stream[i * body: (i + 1) * body].tolist() + end
 
 
 def windows(stream: torch.Tensor, seq_len: int, stride: int) -> list[list[int]]:
@@ -206,9 +206,12 @@ def build_dataset(objective: str, path: str | os.PathLike | None, tokenizer: Any
     if objective == "clm":
         docs = _documents(path, split)
         if pack:
-            bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
             eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-            rows = pack_documents([bos + ids + eos for ids in tokenizer.encode_batch(docs)], seq_len, tokenizer.pad_id)
+            # where BOS is EOS (GPT-2's <|endoftext|>) one token separates documents, as in the stream
+            bos = [tokenizer.bos_id] if tokenizer.bos_id is not None and [tokenizer.bos_id] != eos else []
+            # the padding's id is never read (its document id masks it out), but it must be an id: EOS, else 0
+            pad = next((p for p in (tokenizer.pad_id, tokenizer.eos_id) if p is not None), 0)
+            rows = pack_documents([bos + ids + eos for ids in tokenizer.encode_batch(docs)], seq_len, pad)
             return Examples(rows, info=info)
         stream = token_stream(docs, tokenizer, bos=document_bos)
         info["n_tokens"] = len(stream)
@@ -217,10 +220,12 @@ def build_dataset(objective: str, path: str | os.PathLike | None, tokenizer: Any
     if objective == "mlm":
         docs = _documents(path, split)
         stream = token_stream(docs, tokenizer)
-        body = seq_len - 2
+        # BERT's [CLS] ... [SEP] around each window, where the tokenizer has them (a None in a row crashed collate)
+        start, end = ([t] if t is not None else [] for t in (tokenizer.bos_id, tokenizer.eos_id))
+        body = seq_len - len(start) - len(end)
         info["n_tokens"] = len(stream)
-        return Examples(fn=functools.partial(_mlm_row, stream, body, tokenizer.bos_id, tokenizer.eos_id),
-                        size=-(-len(stream) // body), info=info)
+        return Examples(fn=functools.partial(_mlm_row, stream, body, start, end), size=-(-len(stream) // body),
+                        info=info)
     if objective not in SYNTHETIC_SIZES:
         raise ValueError(f"unknown objective {objective!r}; expected clm, mlm, seq2seq, sft or dpo")
     if path is not None:
