@@ -14,7 +14,9 @@ import torch
 from seqlab.cli import main
 from seqlab.eval.metrics import evaluate
 from seqlab.runtime.logbook import Logbook
+from seqlab.train import TrainConfig
 from seqlab.train import checkpoint as ckpt
+from seqlab.train.run import build_datasets, build_tokenizer_for
 from tests.train.conftest import TEXT, make_trainer
 
 TINY = ["--preset", "tiny", "--tokenizer", "byte", "--batch-size", "2", "--seq-len", "32", "--no-progress",
@@ -175,3 +177,17 @@ def test_a_signal_stop_logs_its_step_and_dates_the_last_validation(tmp_path):
     assert result.eval_step == 3 and "val_loss" in result.eval
     resumed = make_trainer(tmp_path, steps=50, log_interval=10, eval_interval=3, resume=True)
     assert resumed.last_eval_step == 3 and resumed.last_eval == result.eval
+
+
+def test_a_bpe_tokenizer_learns_from_the_training_split_only(tmp_path):
+    """BPE was trained on all of --data: words only the held-out validation document has became single tokens,
+    which flatters the validation bits per byte."""
+    docs = [{"text": "the cat sat on the mat and the dog sat on the log. " * 5} for _ in range(19)]
+    docs.append({"text": "zyzzyva quokka " * 50})  # the last document is the validation split's
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    cfg = TrainConfig(objective="clm", data=str(tmp_path / "docs.jsonl"), tokenizer="bpe:300",
+                      out_dir=str(tmp_path / "run"))
+    tok = build_tokenizer_for(cfg, cache_dir=tmp_path)
+    _, val = build_datasets(cfg, tok)
+    assert any("quokka" in tok.decode(val[i]) for i in range(len(val)))
+    assert len(tok.encode(" quokka")) > 3 and not any("quok" in piece for piece in tok.backend.get_vocab())

@@ -88,7 +88,9 @@ def split_text(text: str, split: str, frac: float = 0.05) -> str:
     return text[cut:] if split == "validation" else text[:cut]
 
 
-def _documents(path: str | os.PathLike | None, split: str) -> list[str]:
+def split_documents(path: str | os.PathLike | None, split: str) -> list[str]:
+    """The documents of ``split`` of a text file (or the embedded corpus): a BPE tokenizer learns from the training
+    split alone, as the model does, or the validation text's words become single tokens."""
     if path is None:
         splits = ("train", "validation") if split == "all" else (split,)
         return [d.text for s in splits for d in load_documents(s)]
@@ -204,7 +206,7 @@ def build_dataset(objective: str, path: str | os.PathLike | None, tokenizer: Any
         raise ValueError(f"seq_len must be >= 4, got {seq_len}")
     info = {"objective": objective, "path": str(path) if path else None, "split": split, "seq_len": seq_len}
     if objective == "clm":
-        docs = _documents(path, split)
+        docs = split_documents(path, split)
         if pack:
             eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
             # where BOS is EOS (GPT-2's <|endoftext|>) one token separates documents, as in the stream
@@ -218,7 +220,7 @@ def build_dataset(objective: str, path: str | os.PathLike | None, tokenizer: Any
         return Examples(fn=functools.partial(_window, stream, seq_len, seq_len - 1), info=info,
                         size=n_windows(len(stream), seq_len, seq_len - 1))
     if objective == "mlm":
-        docs = _documents(path, split)
+        docs = split_documents(path, split)
         stream = token_stream(docs, tokenizer)
         # BERT's [CLS] ... [SEP] around each window, where the tokenizer has them (a None in a row crashed collate)
         start, end = ([t] if t is not None else [] for t in (tokenizer.bos_id, tokenizer.eos_id))

@@ -17,7 +17,7 @@ from safetensors.torch import load_model
 import seqlab.train.checkpoint as ckpt
 from seqlab.config import ModelConfig
 from seqlab.data import build_dataset, build_tokenizer, load_tokenizer
-from seqlab.data.readers import read_documents
+from seqlab.data.datasets import split_documents
 from seqlab.model import build_model
 from seqlab.objectives import build_objective, objective_class
 from seqlab.train.config import TrainConfig, read_run_config, same_setting
@@ -67,7 +67,7 @@ def build_tokenizer_for(cfg: TrainConfig, cache_dir: str | Path | None = None, r
         return load_tokenizer(saved)
     train_texts = None
     if spec.startswith("bpe") and cfg.data is not None and objective_class(cfg.objective).natural_text:
-        train_texts = read_documents(cfg.data)
+        train_texts = split_documents(cfg.data, "train")  # not the held-out validation text
     return build_tokenizer(spec, train_texts=train_texts, cache_dir=cache_dir or cfg.out_dir)
 
 
