@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 
-from seqlab.data import DataError, build_dataset
+from seqlab.data import ByteTokenizer, DataError, build_dataset
 from seqlab.data.byte_tokenizer import byte_backend
 from seqlab.data.tokenizer import Tokenizer
 from seqlab.objectives import build_objective
@@ -160,3 +160,21 @@ def test_one_token_between_documents_where_bos_is_eos(tmp_path):
     obj = build_objective("clm", tok)
     targets = obj.targets(obj.collate([row]))[0].tolist()
     assert targets[:6] == [*tok.encode("ab"), end, *tok.encode("cd"), end]
+
+
+def test_a_conversation_the_chat_template_refuses_names_its_file_and_line(tmp_path):
+    """A template's raise_exception (roles that do not alternate) fires only when the example is tokenized: its
+    error named neither the file nor the line."""
+    template = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+                "{{ raise_exception('roles must alternate') }}{% endif %}{{ m['content'] }}{{ eos_token }}{% endfor %}")
+    tok = ByteTokenizer(chat_template=template, eot_token="<eos>")
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    bad = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                        {"role": "assistant", "content": "c"}]}
+    (tmp_path / "chats.jsonl").write_text(_jsonl(*[good] * 7, bad, *[good] * 5))
+    with pytest.raises(DataError, match=r"chats\.jsonl:8: chat template error: roles must alternate"):
+        build_dataset("sft", tmp_path / "chats.jsonl", tok, 64, "train")
+    prefs = {"prompt": bad["messages"][:2], "chosen": "x", "rejected": "y"}
+    (tmp_path / "prefs.jsonl").write_text(_jsonl(*[{"prompt": "q", "chosen": "x", "rejected": "y"}] * 2, prefs))
+    with pytest.raises(DataError, match=r"prefs\.jsonl:3: chat template error: roles must alternate"):
+        build_dataset("dpo", tmp_path / "prefs.jsonl", tok, 64, "all")

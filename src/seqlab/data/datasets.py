@@ -25,7 +25,8 @@ import torch
 from torch.utils.data import Dataset
 
 from seqlab.data import readers, synthetic
-from seqlab.data.chat import cut_preference, tokenize_chat, tokenize_preference
+from seqlab.data.chat import ChatTemplateSpanError, cut_preference, tokenize_chat, tokenize_preference
+from seqlab.data.chat_template import ChatTemplateError
 from seqlab.data.collate import IGNORE_INDEX
 from seqlab.data.corpus import load_documents, normalise_split
 from seqlab.data.packing import pack_documents
@@ -70,6 +71,15 @@ def split_items(items: Sequence[Any], split: str, source: str | os.PathLike | No
     held_set = set(held)
     keep = held if split == "validation" else [i for i in range(len(items)) if i not in held_set]
     return [items[i] for i in keep]
+
+
+def _at_line(path: str | os.PathLike, example: dict, tokenize: Callable, *args: Any) -> Any:
+    """``tokenize(*args)``, its refusal (a chat template's ``raise_exception``, an answer the template does not
+    render) named by the file and the example's line, as a malformed line is."""
+    try:
+        return tokenize(*args)
+    except (ChatTemplateError, ChatTemplateSpanError) as e:
+        raise readers.DataError(path, example.get(readers.LINE), str(e)) from None
 
 
 def split_text(text: str, split: str, frac: float = 0.05) -> str:
@@ -158,11 +168,13 @@ def _file_items(objective: str, path: str | os.PathLike, tokenizer: Any, seq_len
         items = [_seq2seq_cut(s, t, seq_len, tokenizer.eos_id) for s, t in full]
         lengths = [max(len(s), len(t)) + 1 for s, t in full]  # the source ends in EOS, the target gains one in a batch
     elif objective == "sft":
-        full = [tokenize_chat(tokenizer, ex["messages"]) for ex in split_items(readers.read_sft(path), split, path)]
+        full = [_at_line(path, ex, tokenize_chat, tokenizer, ex["messages"])
+                for ex in split_items(readers.read_sft(path), split, path)]
         items = [{k: v[:seq_len] for k, v in ex.items()} for ex in full]
         lengths = [len(ex["input_ids"]) for ex in full]
     else:
-        full = [tokenize_preference(tokenizer, ex) for ex in split_items(readers.read_preferences(path), split, path)]
+        full = [_at_line(path, ex, tokenize_preference, tokenizer, ex)
+                for ex in split_items(readers.read_preferences(path), split, path)]
         items = [cut_preference(ex, seq_len) for ex in full]
         lengths = [len(ex["prompt_ids"]) + max(len(ex["chosen_ids"]), len(ex["rejected_ids"])) for ex in full]
     n_cut = sum(n > seq_len for n in lengths)

@@ -22,6 +22,11 @@ from typing import Any
 ROLES = ("system", "user", "assistant", "tool")
 
 
+# the key under which read_sft / read_preferences keep each example's line: a chat template that refuses a
+# conversation (roles that do not alternate) is found only when it is tokenized, and must still name the line
+LINE = "line"
+
+
 class DataError(ValueError):
     """Malformed training data. ``path`` and ``line`` (1-based, None for whole-file problems) say where."""
 
@@ -150,7 +155,7 @@ def validate_messages(messages: Any, path, lineno: int, field: str = "messages",
 def read_sft(path: str | os.PathLike) -> list[dict[str, Any]]:
     out = []
     for n, o in read_jsonl(path):
-        out.append({"messages": validate_messages(_require(o, "messages", path, n), path, n)})
+        out.append({"messages": validate_messages(_require(o, "messages", path, n), path, n), LINE: n})
     return out
 
 
@@ -163,5 +168,5 @@ def read_preferences(path: str | os.PathLike) -> list[dict[str, Any]]:
         else:
             prompt = _require_str(o, "prompt", path, n)
         out.append({"prompt": prompt, "chosen": _require_str(o, "chosen", path, n),
-                    "rejected": _require_str(o, "rejected", path, n)})
+                    "rejected": _require_str(o, "rejected", path, n), LINE: n})
     return out
