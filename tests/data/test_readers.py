@@ -38,6 +38,7 @@ GOOD_CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant
     (read_documents, "empty.txt", "", r"empty.txt: file is empty"),
     (read_documents, "latin1.txt", "line one\nline two\ncaf\xe9\n".encode("latin-1"),
      r"latin1.txt:3: not valid UTF-8 \(byte 0xe9 at offset 21\)"),
+    (read_documents, "bom.txt", b"\xef\xbb\xbfline1\nab\xff", r"bom.txt:2: not valid UTF-8 \(byte 0xff at offset 11\)"),
     (read_sft, "latin1.jsonl", b'{"messages": []}\n{"messages": "\xff"}\n', r"latin1.jsonl:2: not valid UTF-8"),
     (read_documents, "d.jsonl", _jsonl({"text": "ok"}, {"txt": "typo"}), r"d.jsonl:2: missing field 'text'"),
     (read_sft, "c.jsonl", _jsonl(GOOD_CHAT, {"msgs": []}), r"c.jsonl:2: missing field 'messages'"),

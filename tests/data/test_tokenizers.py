@@ -32,6 +32,13 @@ def test_byte_tokenizer_roundtrip_and_specials():
     assert tok.count_bytes(ids) == len(tok.decode(ids).encode("utf-8"))
 
 
+def test_a_special_that_extends_another_wins_as_in_the_backend():
+    """Of the specials "<s>" and "<s>x" the text "<s>x" is the longer one, in the saved backend (longest match) as in
+    encode (it matched "<s>" and then the byte "x", so a reloaded tokenizer read the same text differently)."""
+    tok = ByteTokenizer(specials=["<s>", "<s>x"])
+    assert tok.encode("a<s>xb") == tok.backend.encode("a<s>xb", add_special_tokens=False).ids == [97, 257, 98]
+
+
 def test_bpe_is_deterministic_cached_and_lossless(tmp_path, small_corpus):
     a = train_bpe(small_corpus, 400, cache_dir=tmp_path)
     files = list(tmp_path.glob("bpe-400-*.json"))

@@ -54,7 +54,9 @@ class ByteTokenizer(Tokenizer):
         ids = {s: 256 + i for i, s in enumerate(specials)}
         super().__init__(backend, pad_id=ids.get(PAD), bos_id=ids.get(BOS), eos_id=ids.get(EOS),
                          mask_id=ids.get(MASK), chat_template=chat_template, eot_token=eot_token, name="byte")
-        self._special_re = re.compile("(" + "|".join(re.escape(s) for s in specials) + ")") if specials else None
+        # longest first, as the backend matches: of "<s>" and "<s>x" the text "<s>x" is the second token
+        longest_first = sorted(specials, key=len, reverse=True)
+        self._special_re = re.compile("(" + "|".join(re.escape(s) for s in longest_first) + ")") if specials else None
         self._id_to_special = {v: k for k, v in ids.items()}
         self._special_starts = {s[0] for s in specials}
 

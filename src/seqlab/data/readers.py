@@ -45,13 +45,13 @@ def read_text_file(path: str | os.PathLike) -> str:
         raise DataError(path, None, "file not found") from None
     except IsADirectoryError:
         raise DataError(path, None, "is a directory, expected a file") from None
-    if raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]  # a UTF-8 byte-order mark is valid UTF-8, not content
+    bom = 3 if raw.startswith(b"\xef\xbb\xbf") else 0  # a UTF-8 byte-order mark is valid UTF-8, not content
+    raw = raw[bom:]
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise DataError(path, line, f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+        raise DataError(path, line, f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start + bom}); "
                                     "re-encode the file as UTF-8") from None
     if not text.strip():
         raise DataError(path, None, "file is empty (no text or examples)")
