@@ -100,6 +100,23 @@ def test_gguf_with_nan_data_is_refused(tmp_path, capsys):
     assert "non-finite" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_kept_quantised_with_a_nan_block_scale_is_refused(tmp_path, qtype):
+    """--quant gguf keeps the blocks as they are, so the dense path's non-finite check never saw them: a NaN scale
+    loaded silently and every logit came out NaN."""
+    gguf = pytest.importorskip("gguf")
+    names = {f"blk.{i}.{t}.weight" for i in range(2) for t in ("attn_q", "attn_k", "attn_v", "attn_output",
+                                                                "ffn_gate", "ffn_up", "ffn_down")}
+    path = tmp_path / "nan.gguf"
+    write_tiny_llama(path, qtypes={n: gguf.GGMLQuantizationType[qtype] for n in names})
+    start = read_gguf(path).tensors["blk.0.ffn_up.weight"].start
+    with open(path, "r+b") as f:
+        f.seek(start)  # the first block's scale d
+        f.write(np.array([np.nan], np.float16).tobytes())
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_up.weight' has 1 blocks with a non-finite scale"):
+        load_gguf(path, quant="gguf")
+
+
 def _u32_after(data: bytes, key: str) -> int:
     """Where the u32 value of metadata ``key`` starts (after its u32 value type)."""
     return data.index(key.encode()) + len(key) + 4

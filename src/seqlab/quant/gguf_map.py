@@ -85,6 +85,10 @@ def map_gguf_layers(f: Any, hf_config: dict, permute: Callable[[np.ndarray, int]
         for n in names:
             info = f.tensors[n]
             p = blocks_to_parts(_read(f, info), qtype, info.shape[0])
+            bad = int((~(torch.isfinite(p["scales"]) & torch.isfinite(p.get("mins", p["scales"])))).sum())
+            if bad:  # as the dense path refuses non-finite values (io.gguf), here in the block scales it keeps
+                raise ValueError(f"{f.path}: tensor {n!r} has {bad} blocks with a non-finite scale (NaN/inf); the "
+                                 "file is corrupted, refusing to load it")
             heads = {"attn_q": "num_attention_heads", "attn_k": "num_key_value_heads"}.get(n.split(".")[-2])
             if heads:
                 p = {k: torch.from_numpy(np.ascontiguousarray(permute(v.numpy(), hf_config[heads])))
