@@ -8,7 +8,7 @@ to exactly what ``gguf.quants`` made of the (rope-permuted) source values.
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer as Backend, pre_tokenizers, processors
+from tokenizers import AddedToken, Tokenizer as Backend, pre_tokenizers, processors
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
@@ -164,6 +164,25 @@ def test_a_bos_the_post_processor_adds_travels_to_the_gguf(tmp_path, bpe):
     path = export_gguf(_model(bpe.vocab_size), tmp_path / "b.gguf", tok)
     assert GGUFFile(path).metadata["tokenizer.ggml.add_bos_token"] is True
     assert load_gguf(path)[1].encode("hello", add_special_tokens=True) == tok.encode("hello", add_special_tokens=True)
+
+
+def test_added_tokens_and_the_unknown_id_survive_the_round_trip(tmp_path, bpe):
+    """A tool tag added as a plain (not special) token was typed NORMAL, and a special spelled outside GPT-2's byte
+    alphabet (DeepSeek's "<｜User｜>") was respelled on import: both came back as a dozen byte pieces. The unknown
+    token's id was not written."""
+    backend = Backend.from_str(bpe.backend.to_str())
+    backend.add_tokens([AddedToken("<tool_call>", special=False, normalized=False)])
+    backend.add_special_tokens([AddedToken("<｜User｜>", special=True, normalized=False)])
+    tok = Tokenizer(backend, bos_id=bpe.bos_id, eos_id=bpe.eos_id, pad_id=bpe.pad_id, unk_id=bpe.eos_id, name="tools")
+    path = export_gguf(_model(bpe.vocab_size + 2), tmp_path / "t.gguf", tok, weight_type="f32")
+    meta = GGUFFile(path).metadata
+    tool, user = backend.token_to_id("<tool_call>"), backend.token_to_id("<｜User｜>")
+    assert meta["tokenizer.ggml.token_type"][tool] == 4 and meta["tokenizer.ggml.token_type"][user] == 3
+    assert meta["tokenizer.ggml.unknown_token_id"] == bpe.eos_id
+    back = load_gguf(path)[1]
+    for text in ("<tool_call>hi there", "<｜User｜>hello"):
+        assert back.encode(text) == tok.encode(text) and len(tok.encode(text)) < 10
+    assert back.unk_id == bpe.eos_id
 
 
 def test_explicit_head_dim_exports_as_llama_with_key_length(tmp_path, bpe):

@@ -33,7 +33,7 @@ __all__ = ["WEIGHT_TYPES", "check_exportable", "export_gguf", "gguf_architecture
 
 WEIGHT_TYPES = ("f32", "f16", "q8_0", "q4_0", "q4_1")
 _FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7}  # llama.cpp's LlamaFileType
-_NORMAL, _CONTROL, _UNUSED = 1, 3, 5  # llama.cpp token types
+_NORMAL, _CONTROL, _USER_DEFINED, _UNUSED = 1, 3, 4, 5  # llama.cpp token types
 
 
 def _import_gguf():
@@ -69,7 +69,11 @@ def tokenizer_metadata(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
         raise ExportError(f"the tokenizer has {n} tokens but ModelConfig.vocab_size={vocab_size}")
     special = set(tokenizer.special_ids)
     tokens = [backend.id_to_token(i) for i in range(n)] + [f"[PAD{i}]" for i in range(n, vocab_size)]
-    types = [_CONTROL if i in special else _NORMAL for i in range(n)] + [_UNUSED] * (vocab_size - n)
+    # an added token that is not special (a tool tag) is USER_DEFINED, which llama.cpp and seqlab's reader match
+    # whole; as NORMAL it was one more BPE piece, never produced from text
+    added = {i for i, t in backend.get_added_tokens_decoder().items() if not t.special}
+    types = [_CONTROL if i in special else _USER_DEFINED if i in added else _NORMAL for i in range(n)]
+    types += [_UNUSED] * (vocab_size - n)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     pre = gguf_pre_name(backend)
     if pre is None and merges:  # without merges every byte is its own token, however the text is split
@@ -78,7 +82,7 @@ def tokenizer_metadata(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
                           "reader would tokenize differently; export to a Hugging Face folder instead")
     meta = {"tokens": tokens, "types": types, "merges": merges, "chat_template": tokenizer.chat_template,
             "pre": pre or "gpt2"}
-    meta.update(bos=tokenizer.bos_id, eos=tokenizer.eos_id, pad=tokenizer.pad_id)
+    meta.update(bos=tokenizer.bos_id, eos=tokenizer.eos_id, pad=tokenizer.pad_id, unk=tokenizer.unk_id)
     return meta
 
 
@@ -181,7 +185,7 @@ def _write_metadata(writer, cfg, arch: GGUFArch, tokenizer, weight_type: str, na
     writer.add_key_value(gguf.Keys.Tokenizer.MERGES, meta["merges"], gguf.GGUFValueType.ARRAY,
                          sub_type=gguf.GGUFValueType.STRING)  # written even when empty (see _writer)
     for key, adder in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                       ("pad", writer.add_pad_token_id)):
+                       ("pad", writer.add_pad_token_id), ("unk", writer.add_unk_token_id)):
         if meta[key] is not None:
             adder(meta[key])
     # what encoding does, not the config flag: a Llama-3 folder's post-processor adds BOS with no add_bos_token set

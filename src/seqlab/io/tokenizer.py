@@ -109,8 +109,11 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], source: str = "<gguf>") -> 
 
     spelling = bytes_to_unicode()
     alphabet = set(spelling.values())
-    # A token outside the byte alphabet (rare mislabelled files) is respelled byte by byte, as HF does.
-    spelled = [t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8")) for t in tokens]
+    # A token outside the byte alphabet (rare mislabelled files) is respelled byte by byte, as HF does; not a
+    # control or user-defined one: llama.cpp stores those as their text ("<｜begin▁of▁sentence｜>", a tool tag with a
+    # space), which an added token must match whole (respelled, it matched nothing and the text became 34 byte ids).
+    spelled = [t if set(t) <= alphabet or ty in (_CONTROL, _USER_DEFINED)
+               else "".join(spelling[b] for b in t.encode("utf-8")) for t, ty in zip(tokens, types)]
     vocab: dict[str, int] = {}
     for i, t in enumerate(spelled):
         vocab.setdefault(t, i)
