@@ -195,7 +195,7 @@ def test_bits_per_byte_divides_by_the_texts_own_bytes(tmp_path):
     tok = _sentencepiece_like(tmp_path)
     text = "café olé niño"
     model = build_model(ModelConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=1, n_heads=2, max_seq_len=32))
-    score = score_text(model, tok, text)
+    score = score_text(model, tok, text, bos=True)
     assert score.bytes == len(text.encode("utf-8")) == 16
     assert abs(score.bits_per_byte - score.nll / math.log(2) / 16) < 1e-9
 

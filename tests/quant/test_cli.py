@@ -39,7 +39,8 @@ def test_quantize_load_generate_perplexity(tmp_path):
     assert proc.returncode == 0, proc.stderr
     result = json.loads((tmp_path / "p.json").read_text())
     assert {"perplexity", "bits_per_byte", "tokens", "bytes", "quant"} <= set(result)
-    assert result["quant"] == "int4" and result["bytes"] == len((tmp_path / "t.txt").read_bytes())
+    text = (tmp_path / "t.txt").read_text()  # the file adds no BOS: its first token is context only, not scored
+    assert result["quant"] == "int4" and result["bytes"] == len(text) - tok.byte_lengths()[tok.encode(text)[0]]
     # a second quantisation on top is refused, not ignored under a label it does not have
     proc = run_seqlab(["perplexity", "--checkpoint", "q4", "--file", "t.txt", "--quant", "int8"], cwd=tmp_path)
     assert proc.returncode == 2 and "--quant int8: --checkpoint" in proc.stderr and "already quantised" in proc.stderr

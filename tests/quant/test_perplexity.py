@@ -45,3 +45,17 @@ def test_a_stride_of_the_whole_window_is_refused_and_one_less_scores_each_token_
         sliding_window_nll(model, ids, window=32, stride=32)
     nll, scored = sliding_window_nll(model, ids, window=32, stride=31)
     assert scored == list(range(1, 100)) and nll > 0
+
+
+def test_bos_follows_the_tokenizers_own_rule():
+    """A tokenizer that adds no BOS (SmolLM2's GGUF says add_bos_token false) is scored as transformers' tok(text)
+    and llama.cpp read the text: no BOS, the first token context only; a seqlab decoder's rule starts with BOS."""
+    tok, text = ByteTokenizer(), "to be or not to be"
+    model = build_model(ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2, max_seq_len=64))
+    ids = tok.encode(text)
+    plain = score_text(model, tok, text)
+    assert plain.tokens == len(ids) - 1 and plain.bytes == len(text) - 1
+    tok.set_special_rule(add_bos=True)
+    ruled = score_text(model, tok, text)
+    assert ruled.tokens == len(ids) and ruled.bytes == len(text)
+    assert score_text(model, ByteTokenizer(), text, bos=True).nll == ruled.nll

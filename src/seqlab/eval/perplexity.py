@@ -62,22 +62,32 @@ def sliding_window_nll(model: torch.nn.Module, ids: list[int], window: int, stri
 
 
 def score_text(model: torch.nn.Module, tok: Tokenizer, text: str, window: int | None = None,
-               stride: int | None = None) -> TextScore:
-    """Perplexity and bits per byte of ``text`` under ``model`` (eval mode, no grad)."""
+               stride: int | None = None, bos: bool | None = None) -> TextScore:
+    """Perplexity and bits per byte of ``text`` under ``model`` (eval mode, no grad).
+
+    ``bos``: start with BOS. None follows the tokenizer's own rule (``encode(add_special_tokens=True)``), as
+    prompts do: a seqlab decoder's documents start with BOS, an HF or GGUF model adds one where its
+    ``add_bos_token`` says (SmolLM2's does not), as transformers' ``tok(text)`` and llama.cpp's perplexity read it.
+    Without BOS the first token is context only, and its bytes are left out of bits per byte."""
     if model.config.arch != "decoder":  # an encoder sees the token it would predict: its "perplexity" means nothing
         raise ValueError(f"perplexity scores a causal decoder's next-token predictions; this model is an "
                          f"{model.config.arch} (ModelConfig.arch): use `seqlab eval RUN` for its own objective")
     window = int(window or model.config.max_seq_len)
     window = min(window, model.config.max_seq_len)
     stride = int(stride or max(1, window // 2))
-    bos = getattr(tok, "bos_id", None)
-    ids = ([bos] if bos is not None else []) + tok.encode(text)
+    bos_id = getattr(tok, "bos_id", None)
+    ids = tok.encode(text)
+    if bos is None:
+        ruled = tok.encode(text, add_special_tokens=True)
+        bos = bos_id is not None and ruled[:1] == [bos_id] and ruled[1:] == ids
+    bos = bool(bos) and bos_id is not None
+    ids = [bos_id] * bos + ids
     if len(ids) < 2:
         raise ValueError("the text is too short to score (fewer than two tokens)")
     model.eval()
     nll, scored = sliding_window_nll(model, ids, window, stride)
     n_bytes = len(text.encode("utf-8"))
-    if bos is None:  # the first text token is context only
+    if not bos:  # the first text token is context only
         n_bytes = max(n_bytes - tok.byte_lengths()[ids[0]], 0)
     return TextScore(perplexity(nll, len(scored)), bits_per_byte(nll, n_bytes), len(scored), n_bytes, nll,
                      window, stride)
