@@ -97,3 +97,25 @@ def test_auto_scores_an_fp16_gpu_run_in_fp32_on_a_cpu():
     cpu = torch.device("cpu")
     assert _eval_precision("auto", "fp16", cpu).name == "fp32"  # not "fp16 needs a GPU"
     assert _eval_precision("auto", "fp32", cpu).name == "fp32" and _eval_precision("fp32", "bf16", cpu).name == "fp32"
+
+
+def test_eval_of_a_file_takes_its_split_when_asked(tmp_path):
+    """`seqlab eval RUN --data FILE --split train` scored the whole file and said split=all: --split was ignored."""
+    run, data = tmp_path / "run", tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document number {i}: " + TEXT[:80]}) + "\n" for i in range(40)))
+    assert main(["train", "--objective", "clm", "--tokenizer", "byte", "--out", str(run), "--max-steps", "1",
+                 *TINY, "--precision", "fp32"]) == 0
+    whole = _eval(run, tmp_path / "a.json", "--data", str(data))
+    parts = [_eval(run, tmp_path / f"{s}.json", "--data", str(data), "--split", s) for s in ("train", "validation")]
+    assert whole["split"] == "all" and [p["split"] for p in parts] == ["train", "validation"]
+    assert parts[0]["n_bytes"] + parts[1]["n_bytes"] == whole["n_bytes"] and parts[1]["n_bytes"] < parts[0]["n_bytes"]
+
+
+def test_eval_refuses_an_unknown_precision(tmp_path, capsys):
+    """`seqlab eval --precision foo` printed a loss as if foo were a precision."""
+    with pytest.raises(SystemExit):
+        main(["eval", str(tmp_path), "--precision", "foo"])
+    assert "invalid choice: 'foo'" in capsys.readouterr().err
+    from seqlab.train.precision import resolve_precision
+    with pytest.raises(ValueError, match="--precision: fp16 needs a GPU"):
+        resolve_precision("fp16", torch.device("cpu"), "--precision")

@@ -119,11 +119,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Evaluate a run directory (its latest checkpoint) or a checkpoint directory.")
     e.add_argument("checkpoint", help="run directory or checkpoints/step_* directory")
     e.add_argument("--data", default=None, help="evaluate on this file (default: the run's held-out split)")
-    e.add_argument("--split", default="validation", help="train | validation (default validation)")
+    e.add_argument("--split", default=None,
+                   help="train | validation (default: validation; with --data the whole file unless given)")
     e.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the run's)")
     e.add_argument("--max-batches", type=int, default=None, help="score only the first N batches (default: all)")
     e.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda[:N], or auto")
-    e.add_argument("--precision", default="fp32", help="fp32 | bf16 | auto (auto: the run's precision; default fp32)")
+    e.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16", "auto"),
+                   help="fp32 | bf16 | fp16 (GPU) | auto (auto: the run's precision; default fp32)")
     e.add_argument("--json", dest="json_out", default=None, help="also write the results to this JSON file")
     e.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     e.add_argument("--debug", action="store_true")

@@ -74,12 +74,15 @@ def load_trained(path: str | Path, device: str | torch.device = "cpu"):
     return model.to(device).eval(), load_tokenizer(tok_path), cfg, cdir
 
 
-def _eval_data(cfg: TrainConfig, tok: Any, data: str | None, split: str) -> tuple[Any, str, str]:
-    """(examples, what they are, split) for ``seqlab eval``: ``data`` whole; else the run's validation set exactly
-    as the trainer built it (its ``--val-data`` if it had one), or the training split of its ``--data``."""
+def _eval_data(cfg: TrainConfig, tok: Any, data: str | None, split: str | None) -> tuple[Any, str, str]:
+    """(examples, what they are, split) for ``seqlab eval``: ``data`` whole, or its ``split`` where one is asked
+    for (by the training rule: every 20th example); else the run's validation set exactly as the trainer built it
+    (its ``--val-data`` if it had one), or the training split of its ``--data``."""
     if data is not None:
-        ds = build_dataset(cfg.objective, data, tok, row_length(cfg), "all", cfg.seed, **dataset_options(cfg))
-        return ds, data, "all"
+        split = "all" if split is None or split == "all" else normalise_split(split)
+        ds = build_dataset(cfg.objective, data, tok, row_length(cfg), split, cfg.seed, **dataset_options(cfg))
+        return ds, data, split
+    split = split or "validation"
     if split != "all" and normalise_split(split) == "validation" and cfg.val_data is not None:
         return validation_dataset(cfg, tok), cfg.val_data, "all"
     ds = build_dataset(cfg.objective, cfg.data, tok, row_length(cfg), split, cfg.seed, **dataset_options(cfg))
@@ -106,12 +109,12 @@ def _eval_precision(asked: str, run: str, device: torch.device) -> Precision:
     """``auto`` means the run's own precision, where this device has it: an fp16 GPU run scored on a CPU is
     scored in fp32 (CPUs have no fp16 autocast here), not refused."""
     if asked != "auto":
-        return resolve_precision(asked, device)
+        return resolve_precision(asked, device, "--precision")
     return resolve_precision("fp32" if run == "fp16" and device.type == "cpu" else run, device)
 
 
 @torch.no_grad()
-def evaluate_checkpoint(path: str | Path, data: str | None = None, split: str = "validation",
+def evaluate_checkpoint(path: str | Path, data: str | None = None, split: str | None = None,
                         batch_size: int | None = None, max_batches: int | None = None, device: str = "cpu",
                         precision: str = "fp32", show_progress: bool = False,
                         load_folder: FolderLoader | None = None) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from seqlab.runtime.cpu import native_bf16
+from seqlab.train.config import PRECISIONS
 
 
 @dataclass
@@ -36,7 +37,10 @@ class Precision:
         return None
 
 
-def resolve_precision(name: str, device: torch.device) -> Precision:
+def resolve_precision(name: str, device: torch.device, field: str = "TrainConfig.precision") -> Precision:
+    """``name`` (one of ``PRECISIONS``) on ``device``; ``field`` is what a refusal names (``--precision`` for eval)."""
+    if name not in PRECISIONS:
+        raise ValueError(f"{field}: unknown precision {name!r}; expected one of {', '.join(PRECISIONS)}")
     if name == "auto":
         if device.type == "cuda":
             name = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
@@ -45,5 +49,5 @@ def resolve_precision(name: str, device: torch.device) -> Precision:
         else:
             name = "fp32"
     if name == "fp16" and device.type == "cpu":
-        raise ValueError("TrainConfig.precision: fp16 needs a GPU (use bf16 or fp32 on CPU)")
+        raise ValueError(f"{field}: fp16 needs a GPU (use bf16 or fp32 on CPU)")
     return Precision(name, device.type)
