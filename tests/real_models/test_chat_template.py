@@ -82,10 +82,21 @@ def test_matches_hf_renderer(template):
     "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",  # a RecursionError likewise
     "{% for i in range(10 ** 9) %}{% endfor %}",
     "{% include 'x.html' %}",  # no loader: there is nothing a template may read
+    # strings of any size from small numbers, past the bound on '*': each allocated what it was asked for
+    "{% set s = 'x'.ljust(10 ** 9) %}", "{% set s = 'x' | center(10 ** 9) %}", "{% set s = 'x' | indent(10 ** 9) %}",
+    "{% set s = ('x' * 5000000) | replace('x', 'xxxx') %}", "{% set s = ('x' * 5000000).replace('x', 'xxxx') %}",
+    # nested loops that print: 6 GB before a timeout stopped them
+    "{% for i in range(99999) %}{% for j in range(99999) %}xxxxxxxxxxxxxxx{% endfor %}{% endfor %}",
 ])
 def test_sandbox_refuses(attack):
     with pytest.raises(ChatTemplateError):
         render_chat_template(attack, [{"role": "user", "content": "hi"}])
+
+
+def test_the_bounded_string_builders_still_work_at_ordinary_sizes():
+    template = "{{ 'ab'.ljust(5) }}|{{ 'a b'.replace(' ', '_') }}|{{ 'x' | center(5) }}|{{ 'a\nb' | indent(2) }}|" \
+               "{{ 'aaa' | replace('a', 'b', 2) }}"
+    assert render_chat_template(template, []) == "ab   |a_b|  x  |a\n  b|bba"
 
 
 def test_bad_inputs_name_the_problem():

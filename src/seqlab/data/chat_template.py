@@ -20,7 +20,7 @@ import functools
 import json
 import math
 from datetime import datetime
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import jinja2
 from jinja2 import nodes
@@ -121,11 +121,56 @@ MAX_POWER_DIGITS = 10_000  # a ** b in a template: no result past this many digi
 MAX_REPEAT = 10_000_000  # 'ab' * n, [0] * n: no longer result ([0] * 10 ** 9 asked for 8 GB)
 
 
+MAX_OUTPUT = 10_000_000  # characters a template may render (nested loops printed 6 GB before anything stopped them)
+_WIDTH_METHODS = frozenset({"ljust", "rjust", "center", "zfill"})
+
+
+def _too_long(n: int, what: str) -> None:
+    if n > MAX_REPEAT:
+        raise jinja2.exceptions.SecurityError(f"{what} of {n} characters is past the {MAX_REPEAT} a chat template "
+                                              "may build")
+
+
+def _check_replace(text: str, old: str, new: str) -> None:
+    grown = text.count(old) * max(len(new) - len(old), 0) if old else (len(text) + 1) * len(new)
+    _too_long(len(text) + grown, "a replace() result")
+
+
+def _bounded_replace(builtin: Callable) -> Callable:
+    def bounded(eval_ctx: Any, value: Any, old: Any, new: Any, *args: Any) -> Any:
+        if isinstance(value, str) and isinstance(old, str) and isinstance(new, str):
+            _check_replace(value, old, new)
+        return builtin(eval_ctx, value, old, new, *args)
+    bounded.jinja_pass_arg = builtin.jinja_pass_arg  # (it takes the eval context first, as the builtin does)
+    return bounded
+
+
+def _bounded_width(name: str, builtin: Callable) -> Callable:
+    """A width-taking filter (``center``, ``indent``) that refuses a width past ``MAX_REPEAT``."""
+    def bounded(value: Any, width: Any = 80, *args: Any, **kwargs: Any) -> Any:
+        if isinstance(width, int):
+            _too_long(width, f"{name}({width})")
+        return builtin(value, width, *args, **kwargs)
+    return bounded
+
+
 class _ChatEnvironment(ImmutableSandboxedEnvironment):
-    """The sandbox, with ``**`` and ``*`` bounded: the operators whose cost grows without bound from two small
-    numbers. (A loop can still run long; a template's loops are bounded by ``range``'s 100 000 and the messages.)"""
+    """The sandbox, with what builds a string or list of any size from two small numbers bounded: ``**``, ``*``,
+    the width of ``ljust``/``rjust``/``center``/``zfill`` and of the ``center``/``indent`` filters, ``replace``'s
+    result (method or filter), and the rendered text itself (``MAX_OUTPUT``). (A loop that prints nothing can still run long: loops are
+    bounded by ``range``'s 100 000 and the messages.)"""
 
     intercepted_binops = frozenset({"**", "*"})
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's own signature)
+        owner = getattr(__obj, "__self__", None)
+        if isinstance(owner, str):
+            name = getattr(__obj, "__name__", "")
+            if name in _WIDTH_METHODS and args and isinstance(args[0], int):
+                _too_long(args[0], f"{name}({args[0]})")
+            elif name == "replace" and len(args) >= 2 and all(isinstance(a, str) for a in args[:2]):
+                _check_replace(owner, args[0], args[1])
+        return super().call(__context, __obj, *args, **kwargs)
 
     def call_binop(self, context, operator, left, right):
         if operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1 and (
@@ -146,6 +191,9 @@ def compile_chat_template(template: str) -> jinja2.Template:
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
     )
     env.filters["tojson"] = _tojson
+    for name in ("center", "indent"):
+        env.filters[name] = _bounded_width(name, env.filters[name])
+    env.filters["replace"] = _bounded_replace(env.filters["replace"])
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _TemplateDict()
@@ -188,7 +236,13 @@ def render_chat_template(
     variables = {"tools": None, "documents": None, **{k: _plain(v) for k, v in extra.items()}}
     messages = validate_messages(messages)
     try:
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+        pieces, size = [], 0
+        for piece in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt, **variables):
+            size += len(piece)
+            if size > MAX_OUTPUT:
+                raise jinja2.exceptions.SecurityError(f"the rendered text passed {MAX_OUTPUT} characters")
+            pieces.append(piece)
+        return "".join(pieces)
     except jinja2.exceptions.SecurityError as e:
         raise ChatTemplateError(f"chat template tried an unsafe operation: {e}") from e
     except jinja2.exceptions.TemplateError as e:
