@@ -117,6 +117,14 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         check_field_types(self)
+        if not isinstance(self.extra, dict):  # (a string here failed in every later command that read it)
+            raise ConfigError("extra", f"expected a JSON object (dict), got {type(self.extra).__name__} {self.extra!r}")
+        quant = self.extra.get("quant")  # the layout seqlab.quant records: {"layers": {name: {"bits", ...}}, ...}
+        if quant is not None and not (isinstance(quant, dict) and isinstance(quant.get("layers"), dict) and all(
+                isinstance(spec, dict) and isinstance(spec.get("bits"), int) and isinstance(spec.get("group_size"), int)
+                for spec in quant["layers"].values())):
+            raise ConfigError("extra", "'quant' is not a quantised layout as seqlab.quant records it "
+                                       "({'layers': {name: {'bits': int, 'group_size': int, ...}}})")
         if self.arch not in ARCHITECTURES:
             raise ConfigError("arch", f"unknown architecture {self.arch!r}; expected one of {ARCHITECTURES}")
         if self.pos not in POSITIONS:

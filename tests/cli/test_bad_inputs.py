@@ -61,6 +61,10 @@ TRAIN_CASES: list[Case] = [
     Case("train-out-not-writable", ["train", *_TINY, "--out", "/sys/seqlab-bad-input-run"], "not writable"),
     Case("train-device-cuda-missing", ["train", *_TINY, "--device", "cuda:99", "--out", "{tmp}/r"], "--device cuda:99"),
     Case("train-model-bogus-field", ["train", *_TINY, "--model", "bogus_key=1", "--out", "{tmp}/r"], "bogus_key"),
+    Case("train-model-arch", ["train", *_TINY, "--model", "arch=encoder", "--out", "{tmp}/r"], "'arch' (from --model arch=...) cannot be set: it comes from --objective"),
+    Case("train-model-extra", ["train", *_TINY, "--model", "extra=foo", "--out", "{tmp}/r"], "'extra' (from --model extra=...) cannot be set"),
+    Case("generate-config-extra-not-a-dict", ["generate", "--checkpoint", "{tmp}/m", "--prompt", "hi"], "ModelConfig.extra: expected a JSON object (dict), got str", files={"m/config.json": '{"format": "seqlab", "config": {"extra": "foo"}}'}),
+    Case("generate-config-extra-bad-quant", ["generate", "--checkpoint", "{tmp}/m", "--prompt", "hi"], "ModelConfig.extra: 'quant' is not a quantised layout", files={"m/config.json": '{"format": "seqlab", "config": {"extra": {"quant": 5}}}'}),
     Case("train-pack-sft", ["train", *_TINY, "--objective", "sft", "--pack", "--out", "{tmp}/r"], "--pack packs documents into rows for clm"),
     Case("train-context-below-seq-len", ["train", *_TINY, "--model", "max_seq_len=16", "--out", "{tmp}/r"], "--model max_seq_len=16 is shorter than --seq-len 32"),
     Case("train-resume-truncated-config", ["train", "--out", "{tmp}/cut", "--resume", "--no-progress"],
@@ -248,3 +252,12 @@ def test_seqlab_warnings_read_as_one_line_and_others_keep_their_form(capsys, mon
     show(UserWarning("deprecated"), UserWarning, "/home/me/seqlab/.venv/torch/nn/functional.py", 7)
     assert capsys.readouterr().err == "seqlab nnqs: warning: warm start: CCSD needs a closed shell\n"
     assert passed_on == ["/home/me/seqlab/.venv/torch/nn/functional.py"]  # another library's: as it always is
+
+
+@pytest.mark.parametrize("command", [["generate", "--checkpoint", "unread", "--prompts-file"], ["embed", "--file"]])
+def test_a_prompt_file_that_is_not_utf8_is_named_with_its_line(tmp_path, command, capsys):
+    """Both printed only Python's codec message ('utf-8' codec can't decode byte 0xe9 in position 9)."""
+    from seqlab.cli import main
+    (tmp_path / "latin.txt").write_bytes(b"hello\ncaf\xe9\n")
+    assert main([*command, str(tmp_path / "latin.txt")]) == 2
+    assert "latin.txt:2: not valid UTF-8 (byte 0xe9 at offset 9)" in capsys.readouterr().err

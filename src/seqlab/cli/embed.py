@@ -16,6 +16,7 @@ from pathlib import Path
 from seqlab.cli.model_args import source_kind, use_trained_special_rule
 from seqlab.cli.packaged import MINILM_PACKAGE, missing_package, packaged_minilm
 from seqlab.data import Tokenizer
+from seqlab.data.readers import read_text_file
 from seqlab.eval.embeddings import sentence_embeddings
 from seqlab.io import load_pretrained, resolve_checkpoint
 from seqlab.io.tensors import read_config_json
@@ -64,7 +65,7 @@ def load_embedder(folder: str | Path | None = None):
 def run_embed(args: argparse.Namespace) -> int:
     texts = list(args.texts)
     if args.file:
-        text = check_readable_file(args.file, "--file").read_text(encoding="utf-8")
+        text = read_text_file(check_readable_file(args.file, "--file"))  # (not UTF-8: named with its line)
         texts += [line for line in text.splitlines() if line.strip()]
     if not texts and not sys.stdin.isatty():
         texts = [line.rstrip("\n") for line in sys.stdin if line.strip()]

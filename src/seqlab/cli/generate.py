@@ -15,6 +15,7 @@ import torch
 
 from seqlab.accel import accelerate
 from seqlab.cli.model_args import add_model_source, load_model, prompt_ids
+from seqlab.data.readers import read_text_file
 from seqlab.generate import GenerationConfig, generate_output, stream
 from seqlab.generate.chat import end_ids, turn_end_ids
 from seqlab.generate.engine import is_encoder_decoder
@@ -146,8 +147,9 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         check_writable_file(args.json, "--json")
     if args.prompts_file:
-        with open(check_readable_file(args.prompts_file, "--prompts-file"), encoding="utf-8") as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
+        # (read_text_file: a file that is not UTF-8 is named with its line, as training data is)
+        text = read_text_file(check_readable_file(args.prompts_file, "--prompts-file"))
+        prompts = [line.rstrip("\r") for line in text.split("\n") if line.strip()]
         if not prompts:
             raise ValueError(f"{args.prompts_file}: no prompts (one per line)")
     else:

@@ -144,6 +144,9 @@ class TrainConfig:
         if unknown:
             raise TrainConfigError("model", f"{unknown[0]!r} (from --model {unknown[0]}=...) is not a ModelConfig "
                                             f"field; known fields: {', '.join(sorted(known))}")
+        fixed = {"arch": "comes from --objective", "extra": "is seqlab's own record of where a model came from"}
+        for name in sorted(set(self.model) & set(fixed)):  # (arch=... reached the model builder twice: a TypeError)
+            raise TrainConfigError("model", f"{name!r} (from --model {name}=...) cannot be set: it {fixed[name]}")
 
     def warnings(self) -> list[str]:
         """Settings that are valid but probably not meant (printed, not refused)."""
