@@ -234,3 +234,35 @@ def test_wordpiece_counts_the_spaces_between_words(tmp_path):
     assert [tok.token(i) for i in ids] == ["hello", "wor", "##ld", "!"]
     assert [tok.byte_lengths()[i] for i in ids] == [6, 4, 2, 1]
     assert tok.count_bytes(ids) == len("hello world!".encode()) + 1
+
+
+def test_ctrl_c_during_bpe_training_is_not_lost(tmp_path, monkeypatch):
+    """`seqlab train` on a long single-line file, Ctrl-C twice during the BPE training: the run trained on and
+    exited 0. The trainer (native code) runs Python's signal handler itself and drops the KeyboardInterrupt, as this
+    stand-in does; now a signal there is held and raised when the training returns, and nothing is cached."""
+    import signal
+
+    import seqlab.data.bpe as bpe
+
+    class SwallowingBackend:  # the native class cannot be subclassed: a stand-in around one
+        def __init__(self, model):
+            object.__setattr__(self, "real", Backend(model))
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def __setattr__(self, name, value):
+            setattr(self.real, name, value)
+
+        def train_from_iterator(self, iterator, trainer=None, length=None):
+            texts = list(iterator)
+            try:
+                signal.raise_signal(signal.SIGINT)  # Ctrl-C, handled inside the native call...
+            except KeyboardInterrupt:
+                pass  # ...which drops the exception
+            self.real.train_from_iterator(texts, trainer=trainer, length=length)
+
+    monkeypatch.setattr(bpe, "Backend", SwallowingBackend)
+    with pytest.raises(KeyboardInterrupt, match="SIGINT during the tokenizer's training"):
+        train_bpe(["hello world " * 20, "the cat sat " * 20], 300, cache_dir=tmp_path)
+    assert not list(tmp_path.glob("bpe-*.json"))

@@ -71,6 +71,17 @@ def test_matches_hf_renderer(template):
     assert "Zürich" in render_chat_template(FANCY, MESSAGES[0], tools=tools)  # tojson does not \\u-escape
 
 
+def test_reasoning_reaches_the_template_under_each_of_its_names_as_in_hf():
+    """transformers copies a message's reasoning / thinking / reasoning_content into the others before rendering; a
+    template reading reasoning_content got nothing here for a message that said "reasoning"."""
+    template = ("{% for m in messages %}<{{ m.role }}>{% if m.reasoning_content %}<r>{{ m.reasoning_content }}</r>"
+                "{% endif %}{% if m.thinking %}<t>{{ m.thinking }}</t>{% endif %}{{ m.content }}{% endfor %}")
+    for key in ("reasoning", "thinking", "reasoning_content"):
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok", key: "let me think"}]
+        expected = _hf_render(template, messages, False)
+        assert render_chat_template(template, messages) == expected and expected.count("let me think") == 2, key
+
+
 @pytest.mark.parametrize("attack", [
     "{{ ''.__class__.__mro__[1].__subclasses__() }}",
     "{{ messages.__class__ }}{{ cycler.__init__.__globals__.os.popen('id').read() }}",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -18,6 +19,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from seqlab.data.tokenizer import BOS, EOS, MASK, PAD, SPECIAL_TOKENS, Tokenizer
 from seqlab.runtime import progress
+from seqlab.runtime.signals import GracefulStop
 
 TOKENIZER_FORMAT_VERSION = 1  # bump when the BPE recipe changes, so cached files are not reused across recipes
 
@@ -61,7 +63,13 @@ def train_bpe(texts: Sequence[str], vocab_size: int = 4096, cache_dir: str | os.
         vocab_size=vocab_size, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         min_frequency=2, show_progress=False,
     )
-    backend.train_from_iterator(_with_progress(list(texts), show_progress), trainer=trainer, length=len(texts))
+    # The trainer swallows a KeyboardInterrupt raised in the iterator it reads and trains on what it had: Ctrl-C was
+    # lost (the run went on, exit 0) and a tokenizer of part of the texts was cached under the key of all of them.
+    # So a signal here is held until the trainer returns, then raised.
+    with GracefulStop(message="the tokenizer's training cannot be cut short: exiting when it ends") as stop:
+        backend.train_from_iterator(_with_progress(list(texts), show_progress), trainer=trainer, length=len(texts))
+    if stop.requested:
+        raise KeyboardInterrupt(f"{signal.Signals(stop.signum).name} during the tokenizer's training")
     out = Tokenizer.from_backend(backend, name=f"bpe-{vocab_size}", pad=PAD, bos=BOS, eos=EOS, mask=MASK)
     if cache_file is not None:
         out.save(cache_file)

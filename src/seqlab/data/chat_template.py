@@ -121,6 +121,7 @@ MAX_POWER_DIGITS = 10_000  # a ** b in a template: no result past this many digi
 MAX_REPEAT = 10_000_000  # 'ab' * n, [0] * n: no longer result ([0] * 10 ** 9 asked for 8 GB)
 
 
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # transformers' names, in its order
 MAX_OUTPUT = 10_000_000  # characters a template may render (nested loops printed 6 GB before anything stopped them)
 _WIDTH_METHODS = frozenset({"ljust", "rjust", "center", "zfill"})
 
@@ -215,7 +216,13 @@ def validate_messages(messages: Iterable[Mapping[str, Any]]) -> list[dict[str, A
         if "content" not in m and "tool_calls" not in m:
             raise ChatTemplateError(f"messages[{i}]: missing field 'content'")
         # keys whose value is None are dropped (as HF does): templates handle a missing key, not a None one
-        out.append(_plain({k: v for k, v in m.items() if v is not None}))
+        message = _plain({k: v for k, v in m.items() if v is not None})
+        # a message's reasoning under any of its names reaches a template under all of them, as in HF: a template
+        # reads reasoning_content (or gpt-oss's thinking) and a client may send reasoning
+        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
     return out
 
 
