@@ -253,3 +253,20 @@ def test_a_bf16_model_gets_the_kernel_chosen_for_bf16(monkeypatch):
     with torch.inference_mode():
         got, want = prefill(model, ids, model.new_cache(1, 90)), prefill(plain, ids, plain.new_cache(1, 90))
     torch.testing.assert_close(got.float(), want.float(), atol=5e-2, rtol=0)  # bf16 rounding, in other places
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_nan_key_reaches_every_query_that_sees_it_as_in_sdpa(isa):
+    """The kernel's exp clamped a NaN score to -87.3 (max/min return their second operand for a NaN), so a NaN key
+    vanished: finite rows and a finite training loss for a run gone to NaN."""
+    from seqlab.accel.train_attention import TrainAttention
+
+    q, k, v = model_layout(1, 8, 2, 2, 32)
+    k = k.clone()
+    k[0, 0, 2, 1] = float("nan")
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True).isnan().any(-1)
+    assert want[0, 0].nonzero().flatten().tolist() == [2, 3, 4, 5, 6, 7]
+    assert torch.equal(pa.causal_attention(q, k, v, isa=isa).isnan().any(-1), want)
+    out = TrainAttention({torch.float32: isa})(q.clone().requires_grad_(), k, v, is_causal=True)
+    assert torch.equal(out.isnan().any(-1), want)

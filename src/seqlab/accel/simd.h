@@ -26,7 +26,7 @@ typedef __m512 vf;
 #define vsum(v) _mm512_reduce_add_ps(v)
 #define vround(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 /* v where d >= t, else 0 (a NaN d gives 0) */
-#define vkeep_ge(v, d, t) _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, vset1(t), _CMP_GE_OQ), v)
+#define vkeep_ge(v, d, t) _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, vset1(t), _CMP_NLT_UQ), v) /* NaN kept */
 /* 2^n for integral-valued float n, by building the exponent field */
 #define vpow2i(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
 INLINE vf vload_bf16(const uint16_t *p) {
@@ -61,7 +61,7 @@ INLINE float simd_hsum256(__m256 v) {
 #define vset1(s) _mm256_set1_ps(s)
 #define vsum(v) simd_hsum256(v)
 #define vround(v) _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-#define vkeep_ge(v, d, t) _mm256_and_ps(_mm256_cmp_ps(d, vset1(t), _CMP_GE_OQ), v)
+#define vkeep_ge(v, d, t) _mm256_and_ps(_mm256_cmp_ps(d, vset1(t), _CMP_NLT_UQ), v) /* NaN kept */
 #define vpow2i(n) _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23))
 INLINE vf vload_bf16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
@@ -87,7 +87,9 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 
 /* exp(x) to about 2 ulp (Cephes' expf: x = n ln2 + r, |r| <= ln2/2, a degree-5 polynomial for e^r - 1 - r) */
 INLINE vf vexp(vf x) {
-    x = vmin(vmax(x, vset1(-87.3f)), vset1(88.3f));
+    /* the clamp's operands in this order keep a NaN: max/min return their second operand when one is NaN (a NaN
+     * score must reach the softmax's sum, as in torch, or a run gone to NaN reads finite) */
+    x = vmin(vset1(88.3f), vmax(vset1(-87.3f), x));
     const vf n = vround(vmul(x, vset1(1.44269504088896341f)));
     vf r = vfma(n, vset1(-0.693359375f), x);
     r = vfma(n, vset1(2.12194440e-4f), r);
