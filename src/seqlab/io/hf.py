@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from seqlab.config import ModelConfig
-from seqlab.io.hf_fields import activation_name, eos_list, int_or_none
+from seqlab.io.hf_fields import activation_name, eos_list, int_or_none, sliding_window
 from seqlab.io.tensors import load_state_into, load_tensors, read_config_json
 from seqlab.runtime import CheckpointError
 from seqlab.model import build_model
@@ -143,7 +143,7 @@ def llama_config(hf: dict) -> ModelConfig:
     theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{model_type} hidden_act={hf['hidden_act']!r} is not supported (expected silu)")
-    window = _sliding_window(hf, model_type)
+    window = sliding_window(hf, model_type)
     attention_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
     if model_type == "qwen2":  # q/k/v carry biases, o_proj and the MLP do not
         qkv_bias, bias = True, False
@@ -160,27 +160,6 @@ def llama_config(hf: dict) -> ModelConfig:
         bos_token_id=int_or_none(hf.get("bos_token_id")), eos_token_id=int_or_none(hf.get("eos_token_id")),
         pad_token_id=int_or_none(hf.get("pad_token_id")), extra={"source": f"hf:{model_type}"},
     )
-
-
-def _sliding_window(hf: dict, model_type: str) -> int | None:
-    """The window a sliding-window model attends within, or None.
-
-    seqlab attends to every earlier position. That computes the window's result only while a sequence fits in the
-    window: one shorter than the context is refused here, a longer one becomes ``attention_window``, past which the
-    model refuses sequences (rotary tables grow past ``max_seq_len``, so the context alone does not stop them).
-    """
-    window = hf.get("sliding_window")
-    layer_types = hf.get("layer_types") or []
-    if model_type in ("qwen2", "qwen3"):
-        applies = bool(hf.get("use_sliding_window")) or "sliding_attention" in layer_types
-    else:
-        applies = model_type == "mistral" or bool(hf.get("use_sliding_window")) or "sliding_attention" in layer_types
-    if not applies or window is None:
-        return None
-    if window < hf.get("max_position_embeddings", 2048):
-        raise CheckpointError(f"{model_type} sliding_window={window} (< max_position_embeddings="
-                              f"{hf.get('max_position_embeddings')}) is not supported: seqlab attends to the full context")
-    return int(window)
 
 
 def llama_weights(src: _Tensors, cfg: ModelConfig) -> dict[str, Tensor]:

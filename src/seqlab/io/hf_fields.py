@@ -1,5 +1,5 @@
 """Reading a Hugging Face ``config.json``'s fields the way seqlab's import needs them: activation names, special
-ids given as lists.
+ids given as lists, a sliding window.
 
 Why apart from ``hf.py``: these are the config's vocabulary, shared by every family's reader there.
 """
@@ -30,3 +30,24 @@ def eos_list(hf: dict) -> dict[str, list[int]]:
         return {}
     ids = [int(e) for e in eos if isinstance(e, int) and 0 <= e < hf.get("vocab_size", 0)]
     return {"eos_token_ids": ids} if len(ids) > 1 else {}
+
+
+def sliding_window(hf: dict, model_type: str) -> int | None:
+    """The window a sliding-window model attends within, or None.
+
+    seqlab attends to every earlier position. That computes the window's result only while a sequence fits in the
+    window: one shorter than the context is refused here, a longer one becomes ``attention_window``, past which the
+    model refuses sequences (rotary tables grow past ``max_seq_len``, so the context alone does not stop them).
+    """
+    window = hf.get("sliding_window")
+    layer_types = hf.get("layer_types") or []
+    if model_type in ("qwen2", "qwen3"):
+        applies = bool(hf.get("use_sliding_window")) or "sliding_attention" in layer_types
+    else:
+        applies = model_type == "mistral" or bool(hf.get("use_sliding_window")) or "sliding_attention" in layer_types
+    if not applies or window is None:
+        return None
+    if window < hf.get("max_position_embeddings", 2048):
+        raise CheckpointError(f"{model_type} sliding_window={window} (< max_position_embeddings="
+                              f"{hf.get('max_position_embeddings')}) is not supported: seqlab attends to the full context")
+    return int(window)
