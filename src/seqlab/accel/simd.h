@@ -25,8 +25,8 @@ typedef __m512 vf;
 #define vset1(s) _mm512_set1_ps(s)
 #define vsum(v) _mm512_reduce_add_ps(v)
 #define vround(v) _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
-/* v where d >= t, else 0 (a NaN d gives 0) */
-#define vkeep_ge(v, d, t) _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, vset1(t), _CMP_NLT_UQ), v) /* NaN kept */
+/* v where d >= t or d is NaN (a NaN must reach the sums, as in torch), else 0 */
+#define vkeep_ge(v, d, t) _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, vset1(t), _CMP_NLT_UQ), v)
 /* 2^n for integral-valued float n, by building the exponent field */
 #define vpow2i(n) _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23))
 INLINE vf vload_bf16(const uint16_t *p) {

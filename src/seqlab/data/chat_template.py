@@ -158,8 +158,8 @@ def _bounded_width(name: str, builtin: Callable) -> Callable:
 class _ChatEnvironment(ImmutableSandboxedEnvironment):
     """The sandbox, with what builds a string or list of any size from two small numbers bounded: ``**``, ``*``,
     the width of ``ljust``/``rjust``/``center``/``zfill`` and of the ``center``/``indent`` filters, ``replace``'s
-    result (method or filter), and the rendered text itself (``MAX_OUTPUT``). (A loop that prints nothing can still run long: loops are
-    bounded by ``range``'s 100 000 and the messages.)"""
+    result (method or filter), and the rendered text itself (``MAX_OUTPUT``). (A loop that prints nothing can still
+    run long: loops are bounded by ``range``'s 100 000 and the messages.)"""
 
     intercepted_binops = frozenset({"**", "*"})
 

@@ -79,7 +79,7 @@ def score_text(model: torch.nn.Module, tok: Tokenizer, text: str, window: int | 
     ids = tok.encode(text)
     if bos is None:
         ruled = tok.encode(text, add_special_tokens=True)
-        bos = bos_id is not None and ruled[:1] == [bos_id] and ruled[1:] == ids
+        bos = bos_id is not None and ruled[:1] == [bos_id] and ruled[1:len(ids) + 1] == ids
     bos = bool(bos) and bos_id is not None
     ids = [bos_id] * bos + ids
     if len(ids) < 2:
