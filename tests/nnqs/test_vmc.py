@@ -20,6 +20,7 @@ from seqlab.nnqs.ansatz import AnsatzConfig, Wavefunction
 from seqlab.nnqs.vmc import VMCConfig, lr_at, vmc_step
 from seqlab.nnqs.warm_start import target_state
 from seqlab.runtime.dist import DistInfo
+from seqlab.runtime.errors import CheckpointError
 
 CHEMICAL_ACCURACY_MHA = 1.6
 
@@ -128,6 +129,40 @@ def test_cli_refuses_an_existing_run_unless_resumed_or_moved_aside(tmp_path, cap
     assert (old / "energies.jsonl").read_text() == first and (old / "checkpoints" / "step_00000002").is_dir()
     assert len((out / "energies.jsonl").read_text().splitlines()) == 2
     assert "moved to" in capsys.readouterr().err
+
+
+def test_a_resume_with_more_steps_does_not_heat_a_finished_annealing_again(tmp_path):
+    """Annealing ran over the first half of the steps counted at each resume: 6 -> 20 steps set T > 0 again at steps
+    6-9 of a run that had reached T = 0 at step 3 (on OH: from 1.9 to 814 mHa, ending at 4.0 against 1.9)."""
+    out = tmp_path / "run"
+    argv = ["--molecule", "h2", "--out", str(out), "--quiet", "--no-cc", "--warm-start", "none", "--estimator",
+            "sampled", "--samples", "1000", "--anneal", "0.07"]
+    assert _cli([*argv, "--steps", "6"]) == 0
+    assert _cli([*argv, "--steps", "20", "--resume"]) == 0
+    temps = [json.loads(line)["temperature"] for line in (out / "energies.jsonl").read_text().splitlines()]
+    assert len(temps) == 20 and temps[0] > 0 and temps[3:] == [0.0] * 17
+
+
+def test_a_resume_at_another_geometry_is_refused_for_its_orbitals_not_a_flag(tmp_path):
+    """Another bond length changes the warm start's size too: the refusal blamed --warm-start-max-configs, a flag
+    the user never gave, instead of saying the checkpoint was trained in other orbitals."""
+    out = tmp_path / "run"
+    argv = ["--out", str(out), "--quiet", "--no-cc", "--warm-start-steps", "20", "--steps", "2"]
+    assert _cli(["--atom", "Li 0 0 0; H 0 0 1.548", *argv]) == 0
+    with pytest.raises(CheckpointError, match="other molecular orbitals"):
+        _cli(["--atom", "Li 0 0 0; H 0 0 1.6", *argv, "--resume"])
+
+
+def test_vmc_time_leaves_out_the_warm_start_fit(tmp_path):
+    """vmc_time_s and each step's wall_time_s started before the warm-start fit (H2O: 86 s of VMC time, 51 of
+    them the fit, which warm_start.time_s also counts)."""
+    out = tmp_path / "run"
+    assert _cli(["--molecule", "h2", "--out", str(out), "--quiet", "--no-cc", "--warm-start-steps", "600",
+                 "--steps", "2"]) == 0
+    result = json.loads((out / "result.json").read_text())
+    fit = result["warm_start"]["time_s"]
+    first = json.loads((out / "energies.jsonl").read_text().splitlines()[0])
+    assert fit > 0.2 and first["wall_time_s"] < fit and result["vmc_time_s"] + fit <= result["wall_time_s"] + 0.05
 
 
 def test_an_empty_energy_log_is_no_run_and_does_not_block_the_same_command(tmp_path):

@@ -35,9 +35,9 @@ from seqlab.runtime.rundir import claim_run_dir
 from seqlab.runtime.signals import GracefulStop
 
 EPILOG = """\
-Expected run time with the defaults (CCSD warm start, a valence CASCI where CCSD does not converge; exact sum;
-1 thread, CPU time; see docs/nnqs.md):
-  h2 ~10 s, lih ~20 s (0.05-0.15 mHa, 3 seeds), h2o ~35 s (0.19-0.22 mHa, 3 seeds), nh3 ~4 min (1000 steps,
+Expected run time with the defaults (CCSD warm start with its Epstein-Nesbet step, a valence CASCI where CCSD
+does not converge; exact sum; 1 thread, CPU time; see docs/nnqs.md):
+  h2 ~10 s, lih ~45-65 s (0.05-0.15 mHa), h2o ~55-85 s (0.1-0.3 mHa), nh3 ~4 min (1000 steps,
   0.40-0.58 mHa, 3 seeds). n2 (20 spin orbitals, 14400 determinants): 2500 steps, ~20 min of CPU (10-11 min
   on 2 cores), 0.13-0.72 mHa (3 seeds, Intel Xeon). c2 (44100 determinants): 25-42 min on 2 cores, 0.40-1.11 mHa
   (3 seeds each on an Intel Xeon and an AMD EPYC).
@@ -323,8 +323,9 @@ def run(args: argparse.Namespace) -> int:
             bar.write(f"note: {note}")
 
         def show(st) -> None:
-            if not bar.n and st.step:  # a resumed run counts on from its checkpoint (and its rate from here)
-                bar.n = bar.initial = st.step
+            if not bar.n:  # the rate from VMC's first step, not from before the references and the warm-start fit
+                bar.reset(total=args.steps)
+                bar.n = bar.initial = st.step  # a resumed run counts on from its checkpoint
             post = {"E": f"{st.energy:.6f}", "σ": f"{st.energy_std * HARTREE_TO_MHA:.3f}mHa", "U": st.n_unique}
             if refs.e_fci is not None:
                 post["ΔFCI"] = f"{(st.energy - refs.e_fci) * HARTREE_TO_MHA:.2f}mHa"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -102,10 +102,16 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
         raise ValueError("VMCConfig.lbfgs_steps: L-BFGS needs a summed energy (the exact or selected sum), not samples")
     lbfgs = build_lbfgs(wf, cfg) if cfg.lbfgs_steps else None  # before the checkpoint, which restores its history
     vmc_state, start_state = vmc_settings(cfg), start_settings(warm_start, warm_start_cfg)
+    # annealing ends where the run first planned it: re-stretched over a resume's extra steps, it heated a finished
+    # run (T = 0) again (an OH run resumed from 400 to 1000 steps jumped from 1.9 to 814 mHa and ended at 4.0)
+    anneal_end = cfg.anneal_frac * cfg.steps
     if checkpoint is not None:
         saved = store.read_state(checkpoint)
-        check_same_run(checkpoint / "state.json", saved, vmc_state, start_state, asdict(wf.cfg))
+        # the orbitals first: another geometry also changes settings that follow from it (the warm start's size),
+        # and a refusal naming those would blame a flag the user never gave
         start_step, t0, restored = load_checkpoint(store, checkpoint, wf, opt, guard, ham, selected, lbfgs)
+        check_same_run(checkpoint / "state.json", saved, vmc_state, start_state, asdict(wf.cfg))
+        anneal_end = float(saved.get("anneal_end", saved["vmc"]["anneal_frac"] * saved["vmc"]["steps"]))
         if start_step > cfg.steps:  # fewer steps than it ran: say so rather than rewrite its result with fewer
             raise ValueError(f"VMCConfig.steps={cfg.steps}: the run already holds {start_step} steps; resume with "
                              f"more --steps to continue it")
@@ -124,8 +130,10 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
         if warm is None:  # stopped during the fit: no checkpoint, so the same command starts afresh
             return RunResult(wf, [], None, time.perf_counter() - t_start, 0, None, None, elapsed_before=before)
         warm["time_s"] = time.perf_counter() - t_fit
+        t_start += warm["time_s"]  # VMC's clock (vmc_time_s, each step's wall_time_s): the fit is timed apart
     if t0 is None:
         t0 = initial_temperature(wf, ham, cfg, dist)
+    step_cfg = replace(cfg, anneal_frac=anneal_end / cfg.steps)  # the steps' own view of it
     if selected is not None and warm_start is not None and not restored:  # S holds the fitted support from step 0
         (selected.pin if cfg.selected_pin_warm_start else selected.add)(warm_start.keys)
     estimator = "exact-sum" if exact else "selected-sum" if selected is not None else "sampled"
@@ -142,7 +150,7 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
             if lbfgs is not None and step >= cfg.steps - cfg.lbfgs_steps:
                 st = lbfgs_step(wf, lbfgs, cfg, step, dist, sector if exact else None, selected)
             else:
-                st = vmc_step(wf, ham, opt, cfg, step, dist, t0, sector, selected)
+                st = vmc_step(wf, ham, opt, step_cfg, step, dist, t0, sector, selected)
             rec = asdict(st)
             if guard.after_step(step, st.energy, wf, opt):
                 rec["rolled_back_to"] = guard.best_step
@@ -163,7 +171,8 @@ def run_vmc(ham: Hamiltonian, cfg: VMCConfig, ansatz: AnsatzConfig | None = None
             stopping = stop is not None and any_rank(stop.requested, dist)  # every rank leaves at the same step
             if store is not None and (done % cfg.checkpoint_every == 0 or done == cfg.steps or stopping):
                 if dist.is_main:
-                    run = {"start": start_state, "warm_fit": warm, "elapsed": elapsed_now(before, started, t_start)}
+                    run = {"start": start_state, "warm_fit": warm, "elapsed": elapsed_now(before, started, t_start),
+                           "anneal_end": anneal_end}
                     checkpoint = save_checkpoint(store, wf, opt, done, t0, vmc_state, guard, ham,
                                                  selected, lbfgs, run)
             if stopping:
