@@ -52,3 +52,21 @@ def test_two_processes_match_one(tmp_path):
         assert resumed.step == 2
         last = resumed.fit().losses
         assert len(last) == 1 and abs(last[0] - single.losses[2]) < 1e-5, (mode, last, single.losses)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ranks_agree_where_they_must_and_draw_their_own_dropout(tmp_path):
+    """Two ranks: each draws its own dropout (one seed gave both ranks the same masks); DPO's metrics are logged,
+    pooled (they were dropped); a StopTraining raised on rank 1 alone ends both (rank 0 waited in the next
+    all-reduce for ever); and when the loss turns NaN both ranks name the last checkpoint (rank 1 said none)."""
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(ROOT / "tests" / "train" / "ddp_edges_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["draws"] != r1["draws"]
+    assert {"reward_margin", "accuracy"} <= set(r0["dpo_logged"])
+    assert r0["stopped_at"] == r1["stopped_at"] == 1
+    assert r0["diverged"] == r1["diverged"] and "the last good checkpoint is" in r0["diverged"]

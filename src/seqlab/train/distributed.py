@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from seqlab.runtime.dist import DistInfo
+from seqlab.runtime.dist import DistInfo, all_reduce_sum
 from seqlab.runtime.errors import CheckpointError
 
 
@@ -64,3 +65,24 @@ def load_full_weights(model: nn.Module, weights: dict[str, Tensor], where: str) 
     if missing or unexpected:
         raise CheckpointError(f"{where}: the weights do not fit the model (missing {missing[:5]}, unexpected "
                               f"{unexpected[:5]})")
+
+
+def seed_rank_stream(seed: int, salt: int, info: DistInfo) -> None:
+    """Give this rank its own torch random stream (dropout draws from it): one seed on every rank gave every rank
+    the same dropout masks, unlike one process over the whole batch. ``salt`` tells apart re-seedings (a resume's
+    step)."""
+    torch.manual_seed((seed * 1_000_003 + salt * 7_919 + info.rank) % 2**63)
+
+
+def pooled_metrics(sums: dict[str, float], weights: dict[str, int], info: DistInfo,
+                   device: torch.device) -> dict[str, float]:
+    """An objective's step metrics (DPO's reward margin, a seq2seq's accuracy) pooled over every rank, each weighted
+    as in one process; every rank reports the same metric names for the same objective."""
+    names = sorted(sums)
+    if info.active:
+        t = torch.tensor([sums[k] for k in names] + [float(weights[k]) for k in names], dtype=torch.float64,
+                         device=device)
+        all_reduce_sum(t, info)
+        values = t.tolist()
+        sums, weights = dict(zip(names, values[: len(names)])), dict(zip(names, values[len(names):]))
+    return {k: sums[k] / max(weights[k], 1) for k in names}

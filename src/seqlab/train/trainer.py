@@ -41,13 +41,14 @@ from seqlab.runtime.rng import capture_rng, restore_rng
 from seqlab.runtime.rundir import claim_run_dir
 from seqlab.runtime.signals import GracefulStop
 from seqlab.train.config import TrainConfig
-from seqlab.train.distributed import load_full_weights, set_grad_sync, wrap_model
+from seqlab.train.distributed import load_full_weights, pooled_metrics, seed_rank_stream, set_grad_sync, wrap_model
 from seqlab.train.evaluate import evaluate_on_ranks, to_device
 from seqlab.train.guards import check_resume_steps, check_unchanged, non_finite_parameter
 from seqlab.train.optim import build_optimizer
 from seqlab.train.order import StepSampler
 from seqlab.train.outcome import StopTraining, TrainingDiverged, TrainResult
 from seqlab.train.precision import resolve_precision
+from seqlab.train.report import draw_loss_curve, progress_postfix
 from seqlab.train.recompute import enable_activation_checkpointing
 from seqlab.train.run import INIT_WEIGHTS, kept_init_weights
 from seqlab.train.rundir import existing_run
@@ -107,6 +108,8 @@ class Trainer:
         self.last_eval: dict[str, float] = {}
         self.last_eval_step: int | None = None
 
+        if self.dist.rank:  # the model is built (the same on every rank): from here each rank draws its own dropout
+            seed_rank_stream(cfg.seed, 0, self.dist)
         resume_path = self._find_resume(resume)
         if self.dist.is_main:
             if resume_path is None and not resume:
@@ -177,7 +180,7 @@ class Trainer:
             }
             path = ckpt.save_checkpoint(self.store.root, self.step, model_sd, optim_sd, state, self.cfg.keep_last,
                                         extra_files=ckpt.model_folder_files(self._model_config_dict(), self.out_dir))
-            self.last_checkpoint = path
+        self.last_checkpoint = self.store.path_for(self.step)  # on every rank: each names it when it stops
         D.barrier(self.dist)
         return path
 
@@ -203,9 +206,11 @@ class Trainer:
         rng = state.get("rng") or []
         if len(rng) == self.dist.world_size:
             restore_rng(rng[self.dist.rank])
-        elif self.dist.is_main:
-            print(f"[seqlab] checkpoint has RNG states for {len(rng)} ranks, this run has {self.dist.world_size}: "
-                  "RNG streams are re-seeded (the run continues, but not bit-identically)")
+        else:
+            seed_rank_stream(self.cfg.seed, self.step, self.dist)
+            if self.dist.is_main:
+                print(f"[seqlab] checkpoint has RNG states for {len(rng)} ranks, this run has {self.dist.world_size}: "
+                      "RNG streams are re-seeded (the run continues, but not bit-identically)")
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         if state.get("objective_state") is not None:
@@ -278,8 +283,8 @@ class Trainer:
         self.tokens_seen += n_tokens
         record = {"step": self.step, "loss": step_loss, "lr": lr, "grad_norm": float(grad_norm),
                   "n_targets": int(n_targets), "step_tokens": n_tokens}
-        if metric_sums and not self.dist.active:
-            record.update({k: v / max(metric_weights[k], 1) for k, v in metric_sums.items()})
+        if metric_sums:
+            record.update(pooled_metrics(metric_sums, metric_weights, self.dist, coll))
         return record
 
     def _last_good(self) -> str:
@@ -361,14 +366,20 @@ class Trainer:
                     if do_log or signal_stop:  # the step a signal stops at is logged, as its checkpoint is kept
                         self.logbook.append(record)
                         window_tokens, window_time = 0, 0.0
-                    bar.set_postfix(self._postfix(record), refresh=False)
+                    bar.set_postfix(progress_postfix(record, self.last_eval), refresh=False)
                     bar.update(1)
                     if signal_stop:
                         break
                     if cfg.ckpt_interval and self.step % cfg.ckpt_interval == 0 and not final:
                         self.save()
-                    for cb in self.callbacks:
-                        cb(self, record)
+                    try:
+                        for cb in self.callbacks:
+                            cb(self, record)
+                    except StopTraining:  # on one rank alone the others waited in the next step's all-reduce
+                        stopped = True
+                    if D.any_rank(stopped, self.dist):
+                        stopped = True
+                        break
             except StopTraining:
                 stopped = True
             finally:
@@ -378,22 +389,11 @@ class Trainer:
                 if self.last_checkpoint != self.store.path_for(self.step):
                     self.save()
                 if self.dist.is_main and cfg.plot and not signal_stop:
-                    self._plot()
+                    draw_loss_curve(self.logbook, self.out_dir, self.objective.loss_label)
         return TrainResult(step=self.step, loss=last_loss, tokens_seen=self.tokens_seen,
                            train_seconds=self.train_seconds, eval=dict(self.last_eval), eval_step=self.last_eval_step,
                            checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None, losses=losses,
                            signal=int(stop.signum or signal.SIGTERM) if signal_stop else None)
-
-    def _postfix(self, record: dict[str, float]) -> dict[str, str]:
-        post = {"loss": f"{record['loss']:.4f}", "lr": f"{record['lr']:.2e}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
-        return post | ({"val_bpb": f"{self.last_eval['val_bpb']:.3f}"} if "val_bpb" in self.last_eval else {})
-
-    def _plot(self) -> None:
-        try:
-            self.logbook.plot(self.out_dir / "loss_curve.png", "step", ["loss", "val_loss"], self.objective.loss_label,
-                              title=self.out_dir.name, ys_right=["val_bpb"], ylabel_right="val bits per byte")
-        except Exception as e:  # a plotting problem must not lose a finished run
-            print(f"[seqlab] could not draw the loss curve: {e}")
 
     def close(self) -> None:
         D.shutdown(self.dist)
