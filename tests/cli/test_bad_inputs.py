@@ -260,4 +260,4 @@ def test_a_prompt_file_that_is_not_utf8_is_named_with_its_line(tmp_path, command
     from seqlab.cli import main
     (tmp_path / "latin.txt").write_bytes(b"hello\ncaf\xe9\n")
     assert main([*command, str(tmp_path / "latin.txt")]) == 2
-    assert "latin.txt:2: not valid UTF-8 (byte 0xe9 at offset 9)" in capsys.readouterr().err
+    assert "latin.txt:2: not valid UTF-8 (byte 0xe9 in column 4, at byte 9 of the file)" in capsys.readouterr().err

@@ -51,7 +51,9 @@ def read_text_file(path: str | os.PathLike) -> str:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
-        raise DataError(path, line, f"not valid UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start + bom}); "
+        column = e.start - raw.rfind(b"\n", 0, e.start)  # 1-based, in bytes: where an editor's hex view finds it
+        raise DataError(path, line, f"not valid UTF-8 (byte 0x{raw[e.start]:02x} in column {column}, at byte "
+                                    f"{e.start + bom} of the file); "
                                     "re-encode the file as UTF-8") from None
     if not text.strip():
         raise DataError(path, None, "file is empty (no text or examples)")
