@@ -1,6 +1,7 @@
 """Run under torchrun by test_distributed.py: what ranks must agree on, or must not share. Each rank writes
 ``rank<R>.json`` under ``argv[1]``: its first dropout draws, DPO's logged metrics, what a StopTraining raised on
-rank 1 alone did, and the message each rank gives when the loss turns NaN after a checkpoint."""
+rank 1 alone did, and the message each rank gives when the loss turns NaN after a checkpoint; and a tied model's
+FSDP checkpoint in ``fsdp_tied``."""
 
 import json
 import sys
@@ -41,6 +42,8 @@ try:
     res["diverged"] = None
 except TrainingDiverged as e:
     res["diverged"] = str(e)
+
+make_trainer(out, out="fsdp_tied", steps=1, parallel="fsdp").fit()  # tiny_model ties its head to the embedding
 
 (out / f"rank{rank}.json").write_text(json.dumps(res))
 t.close()

@@ -59,7 +59,8 @@ def test_two_processes_match_one(tmp_path):
 def test_ranks_agree_where_they_must_and_draw_their_own_dropout(tmp_path):
     """Two ranks: each draws its own dropout (one seed gave both ranks the same masks); DPO's metrics are logged,
     pooled (they were dropped); a StopTraining raised on rank 1 alone ends both (rank 0 waited in the next
-    all-reduce for ever); and when the loss turns NaN both ranks name the last checkpoint (rank 1 said none)."""
+    all-reduce for ever); when the loss turns NaN both ranks name the last checkpoint (rank 1 said none); and a tied
+    head is stored once."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "tests" / "train" / "ddp_edges_worker.py"), str(tmp_path)]
@@ -70,3 +71,9 @@ def test_ranks_agree_where_they_must_and_draw_their_own_dropout(tmp_path):
     assert {"reward_margin", "accuracy"} <= set(r0["dpo_logged"])
     assert r0["stopped_at"] == r1["stopped_at"] == 1
     assert r0["diverged"] == r1["diverged"] and "the last good checkpoint is" in r0["diverged"]
+    # a tied head is stored once, as one process stores it (FSDP's gather gave it a copy of its own)
+    single = make_trainer(tmp_path, out="single_tied", steps=1)
+    single.fit()
+    sizes = [(tmp_path / run / "checkpoints" / "step_00000001" / "model.safetensors").stat().st_size
+             for run in ("fsdp_tied", "single_tied")]
+    assert sizes[0] == sizes[1], sizes

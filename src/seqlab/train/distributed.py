@@ -67,6 +67,17 @@ def load_full_weights(model: nn.Module, weights: dict[str, Tensor], where: str) 
                               f"{unexpected[:5]})")
 
 
+def share_tied(model: nn.Module, weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``weights`` (a full state dict) with each tied parameter's other names pointing at its first name's tensor.
+    An FSDP gather returns separate copies, which the checkpoint then stored twice (a tied head at 1.2x the size);
+    the same tensor under two names is stored once, as one process stores it."""
+    first = {id(p): name for name, p in model.named_parameters()}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if first[id(p)] != name and name in weights and first[id(p)] in weights:
+            weights[name] = weights[first[id(p)]]
+    return weights
+
+
 def seed_rank_stream(seed: int, salt: int, info: DistInfo) -> None:
     """Give this rank its own torch random stream (dropout draws from it): one seed on every rank gave every rank
     the same dropout masks, unlike one process over the whole batch. ``salt`` tells apart re-seedings (a resume's

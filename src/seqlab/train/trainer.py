@@ -41,7 +41,8 @@ from seqlab.runtime.rng import capture_rng, restore_rng
 from seqlab.runtime.rundir import claim_run_dir
 from seqlab.runtime.signals import GracefulStop
 from seqlab.train.config import TrainConfig
-from seqlab.train.distributed import load_full_weights, pooled_metrics, seed_rank_stream, set_grad_sync, wrap_model
+from seqlab.train.distributed import (load_full_weights, pooled_metrics, seed_rank_stream, set_grad_sync, share_tied,
+                                      wrap_model)
 from seqlab.train.evaluate import evaluate_on_ranks, to_device
 from seqlab.train.guards import check_resume_steps, check_unchanged, non_finite_parameter
 from seqlab.train.optim import build_optimizer
@@ -161,7 +162,7 @@ class Trainer:
                                    f"holds NaN or inf; lr={self.optimizer.param_groups[0]['lr']:.3g}); "
                                    f"training stopped without writing their checkpoint, {self._last_good()}")
         opts = sd_api.StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_sd = sd_api.get_model_state_dict(self.raw_model, options=opts)
+        model_sd = share_tied(self.raw_model, sd_api.get_model_state_dict(self.raw_model, options=opts))
         optim_sd = sd_api.get_optimizer_state_dict(self.raw_model, self.optimizer, options=opts)
         rng_all = D.gather_bytes(json.dumps(capture_rng()).encode(), self.dist)
         path = None
