@@ -216,6 +216,9 @@ def test_a_null_special_stays_absent_and_renders_as_nothing(tmp_path):
     assert tok.render_chat([{"role": "user", "content": "hi"}]) == "user: hi\n"
     with pytest.raises(ValueError, match=r"tokenizer\.json: chat template line 1"):
         tok.render_chat([{"role": "user", "content": "hi"}], chat_template="{% for %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ raise_exception('no') }}"}))
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: chat template error: no"):  # where it came from
+        Tokenizer.from_pretrained(tmp_path).render_chat([{"role": "user", "content": "hi"}])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         tok.count_bytes([1, 99])
 

@@ -114,6 +114,7 @@ class Tokenizer:
         # ChatML needs its markers as single tokens; without them do not guess another format.
         chatml = IM_START in self.special_tokens and IM_END in self.special_tokens
         self.chat_template = chat_template if chat_template is not None else (CHATML_TEMPLATE if chatml else None)
+        self.template_source: str | None = None  # the file the chat template came from, where not ``name``
         # End of an assistant turn (the SFT loss target): ChatML's marker, else the EOS most templates end with.
         self.eot_token = eot_token if eot_token is not None else (IM_END if chatml else self.token(self.eos_id))
         self.add_bos_token, self.add_eos_token = add_bos_token, add_eos_token
@@ -147,9 +148,14 @@ class Tokenizer:
             backend = Backend.from_file(str(path))
         except Exception as e:  # the Rust error text is specific but names no file
             raise TokenizerError(f"{path}: not a valid tokenizer.json: {e}") from e
-        kw = read_tokenizer_config(path.with_name("tokenizer_config.json")) if path.name == "tokenizer.json" else {}
+        config = path.with_name("tokenizer_config.json")
+        kw = read_tokenizer_config(config) if path.name == "tokenizer.json" else {}
+        from_config = "chat_template" in kw
         kw.update({k: v for k, v in overrides.items() if v is not None})
-        return cls.from_backend(backend, name=str(path), **kw)
+        tok = cls.from_backend(backend, name=str(path), **kw)
+        if from_config and overrides.get("chat_template") is None:  # its errors name the file it came from
+            tok.template_source = str(config)
+        return tok
 
     @classmethod
     def from_pretrained(cls, folder: str | os.PathLike) -> "Tokenizer":
@@ -305,7 +311,8 @@ class Tokenizer:
             return render_chat_template(template, messages, add_generation_prompt=add_generation_prompt,
                                         **{**specials, **extra})
         except ChatTemplateError as e:  # name where the template came from
-            raise ChatTemplateError(f"{self.name}: {e}") from e
+            where = self.template_source if chat_template is None and self.template_source else self.name
+            raise ChatTemplateError(f"{where}: {e}") from e
 
     def apply_chat_template(self, messages: Iterable[Mapping[str, Any]], add_generation_prompt: bool = False,
                             tokenize: bool = True, chat_template: str | None = None, **extra: Any) -> list[int] | str:

@@ -56,7 +56,7 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         return tok
     template = tok.chat_template if tok.chat_template != CHATML_TEMPLATE else None
     out = ByteTokenizer(specials, chat_template=template, eot_token=tok.eot_token)
-    out.name = tok.name
+    out.name, out.template_source = tok.name, tok.template_source
     if tok.add_bos_token or tok.add_eos_token:
         out.set_special_rule(tok.add_bos_token, tok.add_eos_token)
     return out
