@@ -165,6 +165,12 @@ class Tokenizer:
             raise TokenizerError(f"{folder}: no tokenizer.json")
         return cls.from_file(folder / "tokenizer.json")
 
+    @property
+    def adds_bos(self) -> bool:
+        """Whether ``encode(text, add_special_tokens=True)`` starts with BOS: what encoding does, not the config
+        flag (a Llama-3 folder's post-processor adds BOS with no ``add_bos_token`` set)."""
+        return self.bos_id is not None and self.encode("a", add_special_tokens=True)[:1] == [self.bos_id]
+
     def set_special_rule(self, add_bos: bool, add_eos: bool = False) -> None:
         """Make ``encode(text, add_special_tokens=True)`` start with BOS / end with EOS, and store the rule in the
         backend, so a saved tokenizer.json carries it to transformers (and an export to llama.cpp's flag)."""

@@ -76,12 +76,8 @@ def score_text(model: torch.nn.Module, tok: Tokenizer, text: str, window: int | 
     window = min(window, model.config.max_seq_len)
     stride = int(stride or max(1, window // 2))
     bos_id = getattr(tok, "bos_id", None)
-    ids = tok.encode(text)
-    if bos is None:
-        ruled = tok.encode(text, add_special_tokens=True)
-        bos = bos_id is not None and ruled[:1] == [bos_id] and ruled[1:len(ids) + 1] == ids
-    bos = bool(bos) and bos_id is not None
-    ids = [bos_id] * bos + ids
+    bos = (tok.adds_bos if bos is None else bos) and bos_id is not None
+    ids = [bos_id] * bos + tok.encode(text)
     if len(ids) < 2:
         raise ValueError("the text is too short to score (fewer than two tokens)")
     model.eval()

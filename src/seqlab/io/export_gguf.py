@@ -188,8 +188,6 @@ def _write_metadata(writer, cfg, arch: GGUFArch, tokenizer, weight_type: str, na
                        ("pad", writer.add_pad_token_id), ("unk", writer.add_unk_token_id)):
         if meta[key] is not None:
             adder(meta[key])
-    # what encoding does, not the config flag: a Llama-3 folder's post-processor adds BOS with no add_bos_token set
-    probe = tokenizer.encode("a", add_special_tokens=True)
-    writer.add_add_bos_token(tokenizer.bos_id is not None and probe[:1] == [tokenizer.bos_id])
+    writer.add_add_bos_token(tokenizer.adds_bos)
     if meta["chat_template"]:
         writer.add_chat_template(meta["chat_template"])

@@ -378,7 +378,7 @@ class Trainer:
                             cb(self, record)
                     except StopTraining:  # on one rank alone the others waited in the next step's all-reduce
                         stopped = True
-                    if D.any_rank(stopped, self.dist):
+                    if self.callbacks and D.any_rank(stopped, self.dist):  # (every rank has the same callbacks)
                         stopped = True
                         break
             except StopTraining:
