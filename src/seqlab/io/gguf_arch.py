@@ -125,6 +125,13 @@ def architecture_of(f: GGUFFile) -> GGUFArch:
     return ARCHITECTURES[arch]
 
 
+def _sliding_window(m: dict, key) -> int | None:
+    """The file's sliding window (the widest, where it lists one per layer), or None."""
+    window = m.get(key("attention.sliding_window"))
+    window = max(window) if isinstance(window, list) and window else window
+    return int(window) if window else None
+
+
 def _check_unsupported(f: GGUFFile, key) -> None:
     m = f.metadata
     if m.get(key("expert_count"), 0):
@@ -135,10 +142,9 @@ def _check_unsupported(f: GGUFFile, key) -> None:
         raise GGUFError(f"{f.path}: rope scaling {scaling!r} ({key('rope.scaling.type')}) is not supported")
     if "rope_freqs.weight" in f.tensors:
         raise GGUFError(f"{f.path}: tensor 'rope_freqs.weight' (Llama-3.1 rope scaling) is not supported")
-    window = m.get(key("attention.sliding_window"))
-    window = max(window) if isinstance(window, list) and window else window
+    window = _sliding_window(m, key)
     context = int(m.get(key("context_length"), 2048))
-    if window and int(window) < context:
+    if window is not None and window < context:
         raise GGUFError(f"{f.path}: sliding-window attention ({key('attention.sliding_window')}={window} < "
                         f"{key('context_length')}={context}) is not supported: seqlab attends to the full context")
 
@@ -177,8 +183,7 @@ def gguf_hf_config(f: GGUFFile) -> dict[str, Any]:
     vocab = m.get(key("vocab_size")) or len(m.get("tokenizer.ggml.tokens") or [])
     if not vocab:
         vocab = int(f.tensors["token_embd.weight"].shape[0]) if "token_embd.weight" in f.tensors else 0
-    window = m.get(key("attention.sliding_window"))
-    window = int(max(window)) if isinstance(window, list) and window else int(window) if window else None
+    window = _sliding_window(m, key)
     ids = {k: m.get(f"tokenizer.ggml.{g}") for k, g in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
                                                          ("pad_token_id", "padding_token_id"))}
     return {
