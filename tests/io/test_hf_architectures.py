@@ -153,3 +153,25 @@ def test_rope_scaling_is_refused_wherever_the_config_puts_it(tmp_path, keys):
     (tmp_path / "config.json").write_text(json.dumps({**config, **keys}))
     with pytest.raises(CheckpointError, match="rope scaling '(linear|yarn)'"):
         load_hf(tmp_path)
+
+
+def test_generation_config_eos_ids_stop_generation_as_in_hf(tmp_path):
+    """Llama 3 Instruct lists its end of turn only in ``generation_config.json``; HF's ``generate`` stops there,
+    so seqlab's must too (it used to read ``config.json`` alone and run on past the turn)."""
+    from seqlab.generate import generate
+
+    hf = _randomised(transformers.LlamaForCausalLM, transformers.LlamaConfig(**SMALL, eos_token_id=1))
+    prompt = torch.tensor([[5, 17, 33, 2]])
+    free, _ = _hf_greedy(hf, prompt, 8)
+    stop = int(free[0, prompt.shape[1] + 3])  # the fourth new token becomes an EOS of the generation config
+    assert stop != 1 and stop not in free[0, prompt.shape[1]:prompt.shape[1] + 3].tolist()
+    hf.generation_config.eos_token_id = [1, stop]
+    hf.generation_config.pad_token_id = 1
+    hf.save_pretrained(tmp_path)
+    expected = hf.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert expected.shape[1] == prompt.shape[1] + 4  # HF stopped at the listed id
+    ours = load_hf(tmp_path)
+    assert ours.config.eos_token_id == 1  # the config's own id stays the canonical one
+    got = generate(ours, prompt, max_new_tokens=8)
+    assert got[0, :expected.shape[1]].tolist() == expected[0].tolist()
+    assert set(got[0, expected.shape[1]:].tolist()) <= {1}  # only padding after the stop

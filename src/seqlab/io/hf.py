@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from seqlab.config import ModelConfig
-from seqlab.io.hf_fields import activation_name, eos_list, int_or_none, sliding_window
+from seqlab.io.hf_fields import activation_name, eos_list, int_or_none, sliding_window, with_generation_eos
 from seqlab.io.tensors import load_state_into, load_tensors, read_config_json
 from seqlab.runtime import CheckpointError
 from seqlab.model import build_model
@@ -361,9 +361,12 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None, device=No
 
     Heads absent from the file (a bare ``BertModel`` has no MLM head) keep their random initialisation and are
     recorded in ``model.config.extra["uninitialised"]``; the body is always fully loaded or the call fails.
+    The EOS ids of ``generation_config.json`` are listed after the config's own, as HF's ``generate`` stops there.
     """
     folder = Path(path)
     hf = read_config_json(folder / "config.json")
+    if (folder / "generation_config.json").is_file():
+        hf = with_generation_eos(hf, read_config_json(folder / "generation_config.json"))
     try:
         config_from_hf(hf)  # a bad config fails before any weights are read, naming its file
     except ValueError as e:  # ConfigError and CheckpointError are both ValueErrors

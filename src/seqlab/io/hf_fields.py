@@ -32,6 +32,21 @@ def eos_list(hf: dict) -> dict[str, list[int]]:
     return {"eos_token_ids": ids} if len(ids) > 1 else {}
 
 
+def with_generation_eos(hf: dict, generation: dict) -> dict:
+    """``hf`` with the EOS ids of ``generation_config.json`` listed after its own.
+
+    Why: HF's ``generate`` stops at the generation config's EOS ids, and some chat models list their end of turn
+    only there (Llama 3 Instruct: ``config.json`` says 128001, ``generation_config.json`` adds 128009), so a
+    reply would otherwise run on past its turn. The config's own id stays first: it is the one training appends.
+    """
+    extra = generation.get("eos_token_id")
+    extra = extra if isinstance(extra, list) else [extra]
+    own = hf.get("eos_token_id")
+    own = own if isinstance(own, list) else ([] if own is None else [own])
+    ids = own + [e for e in extra if isinstance(e, int) and not isinstance(e, bool) and e not in own]
+    return {**hf, "eos_token_id": ids} if len(ids) > len(own) else hf
+
+
 def sliding_window(hf: dict, model_type: str) -> int | None:
     """The window a sliding-window model attends within, or None.
 
