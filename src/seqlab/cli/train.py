@@ -49,7 +49,7 @@ _TRAIN_OPTIONS = [
                                       "clm/mlm, byte otherwise)"),
     ("--preset", "preset", str, "model size: tiny | small | demo | base | gpt2 (default small)"),
     ("--init", "init", str, "start from these weights (a run/checkpoint dir or a model folder), e.g. SFT before DPO"),
-    ("--seq-len", "seq_len", int, "tokens per row (default 128)"),
+    ("--seq-len", "seq_len", int, "tokens per row (default 128; sft 256)"),
     ("--batch-size", "batch_size", int, "sequences per micro-batch per process (default 16)"),
     ("--grad-accum", "grad_accum", int, "micro-batches per optimizer step (default 1)"),
     ("--max-steps", "max_steps", int, "optimizer steps (default 1000)"),

@@ -59,6 +59,7 @@ class BaseObjective:
     natural_text = False
     can_pack = False
     uses_initial_model = False
+    default_seq_len = 128  # tokens per row when the run does not say (TrainConfig.seq_len)
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:

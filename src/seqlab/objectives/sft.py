@@ -23,6 +23,7 @@ class SFT(CausalLM):
     name = "sft"
     natural_text = False  # chats: short synthetic turns, byte tokens by default
     can_pack = False
+    default_seq_len = 256  # the built-in chats run to 230 byte tokens: at 128, 41 % of their answer tokens were cut
 
     def __init__(self, tokenizer: Any, padding_side: str = "right", template: str | None = None):
         super().__init__(tokenizer, padding_side)

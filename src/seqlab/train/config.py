@@ -50,7 +50,7 @@ class TrainConfig:
     document_bos: bool = True  # clm: BOS before each document of the stream (False: runs recorded before it was)
 
     # data / batching
-    seq_len: int = 128
+    seq_len: int | None = None  # None: the objective's ``default_seq_len`` (128; sft 256, where every built-in chat fits)
     batch_size: int = 16  # micro-batch per rank
     grad_accum: int = 1  # micro-batches per rank per optimizer step
 
@@ -94,6 +94,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if isinstance(self.betas, list):
             self.betas = tuple(self.betas)
+        if self.seq_len is None:
+            self.seq_len = getattr(OBJECTIVES.get(self.objective), "default_seq_len", 128)
         positive = ("seq_len", "batch_size", "grad_accum", "max_steps", "log_interval", "keep_last")
         for name in positive:
             value = getattr(self, name)
