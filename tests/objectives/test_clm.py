@@ -96,3 +96,16 @@ def test_bos_after_a_document_is_no_target_unless_it_is_also_eos():
     same.bos_id = same.eos_id
     row = [eos, 65, 66, eos, 67, eos]
     assert CausalLM(same).targets(CausalLM(same).collate([row])).tolist() == [[65, 66, eos, 67, eos]]
+
+
+def test_bos_inside_a_text_is_an_ordinary_target():
+    """SmolLM2's BOS is ChatML's <|im_start|>, which opens every turn of a chat transcript: continued CLM training
+    on such text must score it there, as ``seqlab perplexity`` does (every BOS target used to be dropped). Only the
+    BOS after an EOS, or at the start of a left-padded row, opens a document."""
+    bos, eos, pad = TOK.bos_id, TOK.eos_id, TOK.pad_id
+    row = [bos, 65, bos, 66, eos, bos, 67]
+    assert CausalLM(TOK).targets(CausalLM(TOK).collate([row])).tolist() == [[65, bos, 66, eos, IGNORE_INDEX, 67]]
+    left = CausalLM(TOK, padding_side="left")
+    batch = left.collate([[bos, 65, bos], [bos, 66, 67, bos, 68]])
+    assert batch["input_ids"][0].tolist() == [pad, pad, bos, 65, bos]
+    assert left.targets(batch).tolist() == [[IGNORE_INDEX, IGNORE_INDEX, 65, bos], [66, 67, bos, 68]]

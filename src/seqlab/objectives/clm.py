@@ -68,10 +68,12 @@ class CausalLM(BaseObjective):
         super().__init__(tokenizer)
         self.check_options({"padding_side": padding_side})
         self.padding_side = padding_side
-        # BOS opens a document; predicting it after the last one's EOS is no skill, and --pack and perplexity never
-        # score it. Where BOS is EOS (GPT-2's <|endoftext|>), the token is kept: the model must learn to stop.
+        # A BOS that opens a document (after the last one's EOS) is no skill to predict, and --pack and perplexity
+        # never score it; a BOS inside a text (SmolLM2's is ChatML's <|im_start|>) is an ordinary target. Where BOS
+        # is EOS (GPT-2's <|endoftext|>), the token is kept: the model must learn to stop.
         bos, eos = getattr(tokenizer, "bos_id", None), getattr(tokenizer, "eos_id", None)
         self.unscored = bos if bos is not None and bos != eos else None
+        self.eos_id = eos
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
@@ -89,12 +91,21 @@ class CausalLM(BaseObjective):
         else:  # plain text: every token is a target but padding and BOS (labels given, as SFT's, are kept as given)
             labels = input_ids.masked_fill(attention_mask == 0, IGNORE_INDEX)
             if self.unscored is not None:
-                labels.masked_fill_(labels == self.unscored, IGNORE_INDEX)
+                labels.masked_fill_(self._document_openers(input_ids, attention_mask), IGNORE_INDEX)
         batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
         if any("document_ids" in e for e in ex):
             batch["document_ids"] = pad_sequences([list(e["document_ids"]) for e in ex], -1, self.padding_side)
             labels.masked_fill_(batch["document_ids"] < 0, IGNORE_INDEX)
         return batch
+
+    def _document_openers(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """Where a BOS opens a document: after an EOS or padding (with no EOS in the vocabulary, every BOS)."""
+        opens = input_ids == self.unscored
+        if self.eos_id is not None:
+            after_end = torch.ones_like(opens)
+            after_end[:, 1:] = (input_ids[:, :-1] == self.eos_id) | (attention_mask[:, :-1] == 0)
+            opens &= after_end
+        return opens
 
     def num_targets(self, batch: dict[str, Tensor]) -> int:
         return int((self.targets(batch) != IGNORE_INDEX).sum())
