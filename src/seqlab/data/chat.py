@@ -86,7 +86,7 @@ def tokenize_preference(tokenizer: Any, example: dict[str, Any], max_len: int | 
     """``{"prompt", "chosen", "rejected"}`` -> ``{"prompt_ids", "chosen_ids", "rejected_ids"}``.
 
     With a chat template (as in SFT) the prompt is rendered as a user turn (or as the given message list) plus the
-    generation prompt, and each response is followed by the end-of-turn token; without one, plain prompt text and
+    generation prompt, and each response is followed by the end-of-turn token; without one, BOS + the prompt text and
     responses + EOS. Over-long pairs lose prompt tokens from the left first, then response tokens from the right.
     """
     template = template or tokenizer.chat_template
@@ -101,7 +101,12 @@ def tokenize_preference(tokenizer: Any, example: dict[str, Any], max_len: int | 
     else:
         if not isinstance(prompt, str):
             raise ValueError("a message-list prompt needs a chat template")
-        prompt_ids = tokenizer.encode(prompt)
+        # BOS first, as every document of a seqlab decoder begins (and its prompts at generation): without it an
+        # empty prompt left the response's first token, often the only one where chosen and rejected differ, unscored
+        bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+        prompt_ids = bos + tokenizer.encode(prompt)
+        if not prompt_ids:
+            raise ValueError("an empty prompt needs a BOS token before the responses, and this tokenizer has none")
         enc = lambda r: tokenizer.encode(r) + ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
     pair = {"prompt_ids": prompt_ids, "chosen_ids": enc(example["chosen"]), "rejected_ids": enc(example["rejected"])}
     return pair if max_len is None else cut_preference(pair, max_len)
