@@ -128,7 +128,9 @@ def test_seeded_sampling_repeats(server):
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "the " * 3000}]}, "messages"),
-    ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # only with stream: true, as in OpenAI's API
+    ({"stream": True, "stream_options": {"include_usage": True, "continuous": True}}, "stream_options.continuous"),
     ({"functions": [{"name": "f", "parameters": {}}], "function_call": "auto"}, "functions"),
     ({"max_tokens": 2048}, "messages"),  # prompt + max_tokens past the context of 2048
 ])

@@ -151,9 +151,15 @@ def _common(body: Any, text_field: str) -> GenerationRequest:
     n = body.get("n")
     if n is not None and (n != 1 or isinstance(n, bool)):
         raise bad("n", f"only n=1 is supported, got {n!r}")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise bad("stream_options", "must be an object")
+    options = body.get("stream_options")
+    if options is not None:  # as OpenAI's API: only with a stream, and include_usage is its one setting here
+        if not isinstance(options, dict):
+            raise bad("stream_options", "must be an object")
+        if body.get("stream") is not True:
+            raise bad("stream_options", "applies to streamed replies only: set stream to true, or drop it")
+        for key in sorted(set(options) - {"include_usage"}):
+            raise bad(f"stream_options.{key}", "is not supported (the one option read is include_usage)")
+    options = options or {}
     max_tokens = _int(body, "max_completion_tokens", 1)
     max_tokens = _int(body, "max_tokens", 1) if max_tokens is None else max_tokens
     top_k = _int(body, "top_k", -1)
