@@ -75,3 +75,103 @@ def test_checkpoint_dir_is_a_loadable_model_folder(tmp_path):
     x = torch.randint(0, 200, (1, 10))
     torch.testing.assert_close(model(x), t.raw_model.eval()(x), rtol=0, atol=0)
     assert json.loads((tmp_path / "run" / "config.json").read_text())["train"]["max_steps"] == 1
+
+
+def _reseal(path):
+    """Re-record every file's sha256 and the state's own digest, as someone who edits a checkpoint can."""
+    from seqlab.runtime.store import sha256_file, state_digest
+
+    state = json.loads((path / "state.json").read_text())
+    state["files"] = {name: sha256_file(path / name) for name in state["files"]}
+    state["state_sha256"] = state_digest(state)
+    (path / "state.json").write_text(json.dumps(state))
+
+
+def _edit_tensors(path, edit):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    _reseal(path.parent)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.__setitem__("stack.blocks.0.attn.out.weight/exp_avg", torch.zeros(3)),
+     r"exp_avg of 'stack.blocks.0.attn.out.weight' is shape \(3,\)"),
+    (lambda t: t.pop("stack.blocks.0.attn.out.weight/exp_avg_sq"), r"'stack.blocks.0.attn.out.weight' has no exp_avg_sq"),
+])
+def test_resume_refuses_optimizer_slots_that_do_not_fit_their_parameter(tmp_path, edit, message):
+    """A resized slot (hashes re-recorded) reached the fused AdamW step, which read and wrote past the tensor's end
+    (a NaN loss, or heap corruption and an abort); a missing one came back as zeros."""
+    make_trainer(tmp_path, steps=2).fit()
+    latest = ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints")
+    _edit_tensors(latest / "optimizer.safetensors", edit)
+    with pytest.raises(CheckpointError, match=r"optimizer\.safetensors: the optimizer.*" + message):
+        make_trainer(tmp_path, steps=4, resume=True)
+
+
+def test_resume_refuses_weights_with_a_tensor_missing(tmp_path):
+    """torch's full-state-dict loader fills a missing key from the model itself, so its report never named one and
+    the resume trained on the fresh initialisation of that tensor."""
+    make_trainer(tmp_path, steps=2).fit()
+    latest = ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints")
+    _edit_tensors(latest / "model.safetensors", lambda t: t.pop("stack.norm.weight"))
+    with pytest.raises(CheckpointError, match=r"do not fit the model \(missing \['stack.norm.weight'\]"):
+        make_trainer(tmp_path, steps=4, resume=True)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.pop("trainer"), "no trainer record"),
+    (lambda s: s["trainer"].__setitem__("step", "abc"), "trainer.step is 'abc'"),
+    (lambda s: s.__setitem__("files", list(s["files"])), "files record is not a table"),
+])
+def test_resume_refuses_a_damaged_state_record_naming_the_file(tmp_path, edit, message):
+    """A state.json without its own digest (as written before it was recorded) and with a field gone or mistyped
+    gave a KeyError or AttributeError traceback, or a message naming no file."""
+    make_trainer(tmp_path, steps=2).fit()
+    latest = ckpt.latest_checkpoint(tmp_path / "run" / "checkpoints")
+    state = json.loads((latest / "state.json").read_text())
+    state.pop("state_sha256")
+    edit(state)
+    (latest / "state.json").write_text(json.dumps(state))
+    with pytest.raises(CheckpointError, match=r"state\.json: .*" + message):
+        make_trainer(tmp_path, steps=4, resume=True)
+
+
+def test_a_resave_killed_midway_keeps_the_old_copy(tmp_path, monkeypatch):
+    """Re-saving a step moved the old copy aside and deleted it before the new one was in place: a kill then left
+    neither, and the start-up cleaning removed both leftovers. Now the old copy is dropped last, and one found
+    without its step directory is put back."""
+    from seqlab.runtime import store as store_mod
+
+    first = ckpt.save_checkpoint(tmp_path, 5, _sd(), None, {"trainer": {"step": 5}})
+    first.rename(tmp_path / ".old-step_00000005-98")  # a kill's leftovers: the old copy aside ...
+    (tmp_path / ".tmp-step_00000005-98").mkdir()  # ... and the new one unfinished
+    s = ckpt.store(tmp_path)
+    removed = s.clean_stale()
+    assert [p.name for p in removed] == [".tmp-step_00000005-98"]
+    state, _, _ = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path))
+    assert state["trainer"] == {"step": 5}
+
+    def killed(path, *a, **k):  # the kill lands while the old copy is being deleted
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store_mod.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(tmp_path, 5, _sd(), None, {"trainer": {"step": 55}})
+    monkeypatch.undo()
+    s.clean_stale()
+    state, _, _ = ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path))
+    assert state["trainer"] == {"step": 55}  # the new copy was already in place
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000005"]
+
+
+def test_a_metrics_line_that_is_not_utf8_is_skipped_on_resume(tmp_path):
+    """``read_rows`` skips damaged lines; one of invalid UTF-8 stopped the resume with a codec error naming no
+    file."""
+    make_trainer(tmp_path, steps=2, ckpt_interval=1).fit()
+    log = tmp_path / "run" / "metrics.jsonl"
+    log.write_bytes(b"\xff\xfe garbage\n" + log.read_bytes())
+    make_trainer(tmp_path, steps=3, resume=True).fit()
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines() if '"loss"' in line] == [1, 2, 3]

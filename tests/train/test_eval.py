@@ -24,7 +24,7 @@ def _eval(run, out, *extra):
     return json.loads(out.read_text())
 
 
-def test_dpo_eval_measures_against_the_runs_reference(tmp_path):
+def test_dpo_eval_measures_against_the_runs_reference(tmp_path, capsys):
     """Before, eval used the trained policy as its own reference, and every DPO loss read ln 2."""
     first, second = tmp_path / "first", tmp_path / "second"
     dpo = ["train", "--objective", "dpo", *TINY, "--seq-len", "256", "--precision", "fp32", "--lr", "1e-2"]
@@ -55,6 +55,18 @@ def test_dpo_eval_measures_against_the_runs_reference(tmp_path):
     assert _eval(second, tmp_path / "gone.json", *scored)["loss"] == there["loss"]
     assert main([*dpo, "--out", str(second), "--max-steps", "4", "--resume"]) == 0
     assert _last_val(second)["step"] == 4
+    # the kept weights are checked: a flipped bit, or a cut file, is refused naming it (a cut one gave a traceback)
+    kept = second / "init_weights.safetensors"
+    data = bytearray(kept.read_bytes())
+    data[-3] ^= 0x40
+    kept.write_bytes(bytes(data))
+    for args in (["eval", str(second), "--no-progress"], [*dpo, "--out", str(second), "--max-steps", "5", "--resume"]):
+        assert main(args) != 0
+        assert "init_weights.safetensors: its sha256 differs" in capsys.readouterr().err
+    (second / "init_weights.sha256").unlink()  # as in a run made before the digest: the parse still names the file
+    kept.write_bytes(bytes(data[: len(data) // 2]))
+    assert main(["eval", str(second), "--no-progress"]) != 0
+    assert "init_weights.safetensors: " in capsys.readouterr().err
 
 
 def test_eval_scores_the_runs_val_data(tmp_path):

@@ -28,14 +28,14 @@ REFERENCE_DASHES = ("--", ":", "-.")
 
 
 def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """Every complete JSON object in ``path``; a torn last line from a crash is skipped."""
+    """Every complete JSON object in ``path``; a torn last line from a crash, or a damaged one, is skipped."""
     rows = []
     if not Path(path).is_file():
         return rows
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_bytes().splitlines():
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             continue
         if isinstance(row, dict):
             rows.append(row)

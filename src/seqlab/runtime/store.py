@@ -135,10 +135,20 @@ class CheckpointStore:
         return found[-1][1] if found else None
 
     def clean_stale(self) -> list[Path]:
-        """Remove what killed saves left behind (hidden ``.tmp-*`` / ``.old-*`` entries); returns them."""
+        """Remove what killed saves left behind (hidden ``.tmp-*`` / ``.old-*`` entries); returns them. An
+        ``.old-step_N`` whose ``step_N`` is missing (killed between moving it aside and putting the new copy in
+        place) is the complete checkpoint of that step: it is moved back, not removed."""
         if not self.root.is_dir():
             return []
-        stale = [p for p in self.root.iterdir() if p.name.startswith(STALE_PREFIXES)]
+        stale = []
+        for p in self.root.iterdir():
+            if not p.name.startswith(STALE_PREFIXES):
+                continue
+            final = self.root / p.name.removeprefix(".old-").rsplit("-", 1)[0]
+            if p.name.startswith(".old-") and STEP_DIR.match(final.name) and p.is_dir() and not final.exists():
+                os.replace(p, final)
+            else:
+                stale.append(p)
         for p in stale:
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)
@@ -178,10 +188,10 @@ class CheckpointStore:
             json.dump(meta, f, indent=1, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        if final.exists():  # re-saving a step (after a resume): move the old one aside, then drop it
+        old = None
+        if final.exists():  # re-saving a step (after a resume): the old one aside, dropped once the new is in place
             old = self.root / f".old-{final.name}-{os.getpid()}"
             os.replace(final, old)
-            shutil.rmtree(old, ignore_errors=True)
         os.replace(tmp, final)
         try:  # make the rename itself durable
             dfd = os.open(self.root, os.O_RDONLY)
@@ -189,6 +199,8 @@ class CheckpointStore:
             os.close(dfd)
         except OSError:
             pass
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
         if self.keep_last:
             for _, old in self.list()[: -self.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -209,6 +221,12 @@ class CheckpointStore:
                                   f"recorded in it); refusing to load it. Delete {path} to resume from an older "
                                   f"checkpoint.")
         kind = state.get("format") if isinstance(state, dict) else None
+        files = state.get("files", {}) if isinstance(state, dict) else {}
+        listed = isinstance(files, dict) and all(
+            isinstance(k, str) and Path(k).name == k and isinstance(v, str) for k, v in files.items())
+        if not listed:
+            raise CheckpointError(f"{sp}: corrupt checkpoint state (its files record is not a table of names and "
+                                  "sha256 digests)")
         if kind != self.kind:
             raise CheckpointError(f"{sp}: not a {self.kind} (format={kind!r})")
         if state.get("version") != self.version:

@@ -58,13 +58,44 @@ def load_full_weights(model: nn.Module, weights: dict[str, Tensor], where: str) 
 
     first = {id(p): name for name, p in model.named_parameters()}  # each parameter once, under its first name
     aliases = {name for name, p in model.named_parameters(remove_duplicate=False) if first[id(p)] != name}
+    # counted here: torch's loader fills the keys it misses into the dict it is given, from the model itself, so
+    # its own missing_keys is always empty and a checkpoint without a tensor resumed on the fresh initialisation
+    missing = sorted(set(model.state_dict()) - aliases - set(weights))
     options = sd_api.StateDictOptions(full_state_dict=True, strict=False)
     result = sd_api.set_model_state_dict(model, {k: v for k, v in weights.items() if k not in aliases},
                                          options=options)
-    missing, unexpected = sorted(set(result.missing_keys) - aliases), sorted(result.unexpected_keys)
+    unexpected = sorted(result.unexpected_keys)
     if missing or unexpected:
         raise CheckpointError(f"{where}: the weights do not fit the model (missing {missing[:5]}, unexpected "
                               f"{unexpected[:5]})")
+
+
+def load_full_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict, where: str) -> None:
+    """A checkpoint's full optimizer state into ``optimizer``, after checking each slot against its parameter.
+
+    Why check: the fused AdamW step trusts the slots' shapes, so a state whose ``exp_avg`` was resized (its hash
+    re-recorded) read and wrote past the tensor's end, and a missing ``exp_avg_sq`` came back as zeros.
+    """
+    import torch.distributed.checkpoint.state_dict as sd_api  # heavy (seconds): only save/load need it
+
+    params = dict(model.named_parameters())
+    required = {"step", "exp_avg", "exp_avg_sq"} if isinstance(optimizer, torch.optim.AdamW) else set()
+    for name, slots in (state.get("state") or {}).items():
+        p = params.get(name)
+        if p is None or not isinstance(slots, dict):
+            raise CheckpointError(f"{where}: the optimizer state names {name!r}, which is no parameter of the model")
+        lacking = sorted(required - set(slots))
+        if lacking:
+            raise CheckpointError(f"{where}: the optimizer state of {name!r} has no {', '.join(lacking)}")
+        for slot, t in slots.items():
+            want = () if slot == "step" else tuple(p.shape)
+            if isinstance(t, Tensor) and tuple(t.shape) == want and t.is_floating_point():
+                continue
+            got = f"shape {tuple(t.shape)} {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+            raise CheckpointError(f"{where}: the optimizer's {slot} of {name!r} is {got}; its parameter needs a "
+                                  f"float tensor of shape {want}")
+    sd_api.set_optimizer_state_dict(model, optimizer, state,
+                                    options=sd_api.StateDictOptions(full_state_dict=True, strict=True))
 
 
 def share_tied(model: nn.Module, weights: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -6,7 +6,9 @@ Why a module of its own: each check is a few lines, but each guards a promise th
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,3 +68,24 @@ def check_resume_steps(path: str | os.PathLike, old: dict[str, Any], cfg: TrainC
         return None
     return (f"--max-steps {cfg.max_steps} (the run had {old_max}) re-stretches the learning-rate schedule: the LR at "
             f"the resumed step {step} changes from {before:.4g} to {after:.4g}")
+
+
+def trainer_state(path: str | os.PathLike, state: dict[str, Any]) -> dict[str, Any]:
+    """The ``trainer`` record of a checkpoint's state.json, its fields checked, else a CheckpointError naming the
+    file. Why: the state's own sha256 catches damage, but a checkpoint written before it was recorded has none, and
+    a missing or mistyped field then surfaced as a KeyError traceback mid-resume."""
+    where = Path(path) / "state.json"
+    tr = state.get("trainer")
+    if not isinstance(tr, dict):
+        raise CheckpointError(f"{where}: no trainer record (step, tokens seen, data position); not a training "
+                              "checkpoint, or a damaged one")
+    for key, ok in (("step", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+                    ("tokens_seen", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+                    ("train_seconds", lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0),
+                    ("sampler", lambda v: isinstance(v, dict))):
+        if not ok(tr.get(key)):
+            raise CheckpointError(f"{where}: trainer.{key} is {tr.get(key)!r}, which no checkpoint writes; the file "
+                                  "is damaged")
+    if not isinstance(state.get("train_config", {}), dict):
+        raise CheckpointError(f"{where}: train_config is not an object; the file is damaged")
+    return tr

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import load_model
+from safetensors import SafetensorError
+from safetensors.torch import load_model, save_model
 
 import seqlab.train.checkpoint as ckpt
 from seqlab.config import ModelConfig
@@ -20,6 +21,9 @@ from seqlab.data import build_dataset, build_tokenizer, load_tokenizer
 from seqlab.data.datasets import split_documents
 from seqlab.model import build_model
 from seqlab.objectives import build_objective, objective_class
+from seqlab.runtime.errors import CheckpointError
+from seqlab.runtime.files import atomic_path, atomic_write_text
+from seqlab.runtime.store import sha256_file
 from seqlab.train.config import TrainConfig, read_run_config, same_setting
 from seqlab.train.presets import model_config
 
@@ -138,6 +142,27 @@ def load_initial_weights(model: torch.nn.Module, path: str | os.PathLike, load_f
 # that its resume and `seqlab eval` do not depend on the run it came from: that one may train on and prune the
 # checkpoint --init named (--keep-last), or move.
 INIT_WEIGHTS = "init_weights.safetensors"
+INIT_DIGEST = "init_weights.sha256"  # beside it: a flipped bit would otherwise change DPO's reference silently
+
+
+def keep_init_weights(model: torch.nn.Module, run_dir: Path) -> None:
+    """Write ``model``'s weights as ``run_dir``'s kept ``--init`` weights, with their sha256 beside them."""
+    with atomic_path(run_dir / INIT_WEIGHTS) as tmp:
+        save_model(model, str(tmp))
+        atomic_write_text(run_dir / INIT_DIGEST, sha256_file(tmp) + "\n")
+
+
+def _load_kept(model: torch.nn.Module, path: Path) -> None:
+    """The kept ``--init`` weights into ``model``, checked against their recorded sha256 (runs made before it was
+    recorded have none); any damage is a CheckpointError naming the file, not a safetensors traceback."""
+    digest = path.with_name(INIT_DIGEST)
+    if digest.is_file() and digest.read_text().strip() != sha256_file(path):
+        raise CheckpointError(f"{path}: its sha256 differs from the one recorded in {digest.name} when the run "
+                              "began; the file is damaged")
+    try:
+        load_model(model, str(path))  # safetensors: shared (tied) weights stored once, each name restored
+    except (SafetensorError, OSError, RuntimeError) as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def kept_init_weights(run_dir: str | os.PathLike | None) -> Path | None:
@@ -157,7 +182,7 @@ def initial_model(cfg: TrainConfig, mc: ModelConfig, load_folder: FolderLoader |
     model = build_model(mc)
     kept = kept_init_weights(run_dir) if cfg.init else None
     if kept is not None:
-        load_model(model, str(kept))  # safetensors: shared (tied) weights stored once, each name restored
+        _load_kept(model, kept)
     elif cfg.init:
         load_initial_weights(model, cfg.init, load_folder)
     return model

@@ -28,30 +28,29 @@ from pathlib import Path
 from typing import Callable, NoReturn, Sequence
 
 import torch
-from safetensors.torch import save_model
 from torch import nn
 
 import seqlab.runtime.dist as D
 import seqlab.train.checkpoint as ckpt
 from seqlab.runtime.cpu import compile_keyed_by_isa
-from seqlab.runtime.files import atomic_path, atomic_write_text
+from seqlab.runtime.files import atomic_write_text
 from seqlab.runtime.logbook import Logbook
 from seqlab.runtime.progress import progress
 from seqlab.runtime.rng import capture_rng, restore_rng
 from seqlab.runtime.rundir import claim_run_dir
 from seqlab.runtime.signals import GracefulStop
 from seqlab.train.config import TrainConfig
-from seqlab.train.distributed import (load_full_weights, pooled_metrics, seed_rank_stream, set_grad_sync, share_tied,
-                                      wrap_model)
+from seqlab.train.distributed import (load_full_optimizer, load_full_weights, pooled_metrics, seed_rank_stream,
+                                      set_grad_sync, share_tied, wrap_model)
 from seqlab.train.evaluate import evaluate_on_ranks, to_device
-from seqlab.train.guards import check_resume_steps, check_unchanged, non_finite_parameter
+from seqlab.train.guards import check_resume_steps, check_unchanged, non_finite_parameter, trainer_state
 from seqlab.train.optim import build_optimizer
 from seqlab.train.order import StepSampler
 from seqlab.train.outcome import StopTraining, TrainingDiverged, TrainResult
 from seqlab.train.precision import resolve_precision
 from seqlab.train.report import draw_loss_curve, progress_postfix
 from seqlab.train.recompute import enable_activation_checkpointing
-from seqlab.train.run import INIT_WEIGHTS, kept_init_weights
+from seqlab.train.run import keep_init_weights, kept_init_weights
 from seqlab.train.rundir import existing_run
 from seqlab.train.schedule import LRSchedule
 
@@ -117,9 +116,8 @@ class Trainer:
                 claim_run_dir(self.out_dir, existing_run(self.out_dir))
             self.out_dir.mkdir(parents=True, exist_ok=True)
             self.store.clean_stale()
-            if initial is not None:  # the reference's weights, kept with the run (train/run.py: INIT_WEIGHTS)
-                with atomic_path(self.out_dir / INIT_WEIGHTS) as tmp:
-                    save_model(initial, str(tmp))
+            if initial is not None:  # the reference's weights, kept with the run (train/run.py: keep_init_weights)
+                keep_init_weights(initial, self.out_dir)
                 del initial
         D.barrier(self.dist)
         if resume_path is not None:
@@ -187,22 +185,18 @@ class Trainer:
 
     def load(self, path: Path) -> None:
         """Restore everything from a checkpoint directory (verifies file hashes first)."""
-        import torch.distributed.checkpoint.state_dict as sd_api  # heavy (seconds): only save/load need it
-
         state, model_sd, optim_sd = ckpt.load_checkpoint(path)
-        old = state.get("train_config", {})
+        tr, old = trainer_state(path, state), state.get("train_config", {})
         check_unchanged(path, old, self.cfg.to_dict(),
                         frozenset({"init"}) if self.objective.uses_initial_model else frozenset())
-        tr = state["trainer"]
         warning = check_resume_steps(path, old, self.cfg, int(tr["step"]), float(tr["train_seconds"]))
         try:  # first of the restores: another number of processes must keep the global batch
             self.sampler.load_state_dict(tr["sampler"])
         except ValueError as e:
             raise ckpt.CheckpointError(f"{path}: {e}") from None
         load_full_weights(self.raw_model, model_sd, str(path))
-        opts = sd_api.StateDictOptions(full_state_dict=True, strict=True)
         if optim_sd is not None:
-            sd_api.set_optimizer_state_dict(self.raw_model, self.optimizer, optim_sd, options=opts)
+            load_full_optimizer(self.raw_model, self.optimizer, optim_sd, str(path / "optimizer.safetensors"))
         self.step, self.tokens_seen, self.train_seconds = int(tr["step"]), int(tr["tokens_seen"]), float(tr["train_seconds"])
         rng = state.get("rng") or []
         if len(rng) == self.dist.world_size:
