@@ -142,16 +142,38 @@ def test_a_stop_string_cuts_a_speculative_round_where_greedy_stops():
 
 def test_a_learned_position_table_too_short_for_the_lookahead_is_named():
     """Learned positions end at max_seq_len; a round reads K positions past the last token it keeps, so a request
-    that fits greedy decoding may not fit speculative decoding: said up front, with what to lower."""
+    that fits greedy decoding may not fit speculative decoding: said up front, with what to lower. The bound is on
+    positions, not cache slots: a batch's rejected drafts leave holes that positions skip, and a batch of two that
+    reached 34 of 64 positions was refused for its 111 slots."""
     model = tiny_decoder(seed=34, pos="learned", max_seq_len=32)
+    draft = tiny_decoder(seed=35, pos="learned", max_seq_len=32)
     ids = torch.tensor([[5, 9, 13, 2, 7, 31]])
     assert generate(model, ids, max_new_tokens=26).shape[1] == 32
-    with pytest.raises(ValueError, match=r"keeps 33 cache slots \(prompt 6, max_new_tokens 22, "
-                                         r"num_speculative_tokens 4, batch 1.*past the target's learned position "
-                                         r"table \(max_seq_len=32\); lower max_new_tokens or num_speculative_tokens"):
-        generate_output(model, ids, None, GenerationConfig(max_new_tokens=22, num_speculative_tokens=4),
+    with pytest.raises(ValueError, match=r"prompt of 6 tokens \+ max_new_tokens=23 \+ the drafts' look-ahead 4 = 33 "
+                                         r"exceeds the model's context"):
+        generate_output(model, ids, None, GenerationConfig(max_new_tokens=23, num_speculative_tokens=4),
                         draft_model=model)
-    out = generate_output(model, ids, None, GenerationConfig(max_new_tokens=20, num_speculative_tokens=4),
-                          draft_model=model)
-    assert_same_tokens_up_to_ties(out.sequences, generate(model, ids, max_new_tokens=20), ids.shape[1],
-                                  decoder_oracle(model, ids, None))
+    for d in (model, draft):  # every draft accepted (the farthest look-ahead), and some rejected
+        out = generate_output(model, ids, None, GenerationConfig(max_new_tokens=22, num_speculative_tokens=4),
+                              draft_model=d)
+        assert_same_tokens_up_to_ties(out.sequences, generate(model, ids, max_new_tokens=22), ids.shape[1],
+                                      decoder_oracle(model, ids, None))
+    batch = torch.tensor([[5, 9, 13, 2, 7, 31], [0, 0, 0, 4, 8, 12]])
+    mask = (batch != 0).long()
+    out = generate_output(model, batch, mask, GenerationConfig(max_new_tokens=22, num_speculative_tokens=4,
+                                                               pad_token_id=0), draft_model=draft)
+    assert_same_tokens_up_to_ties(out.sequences, generate(model, batch, mask, max_new_tokens=22, pad_token_id=0),
+                                  batch.shape[1], decoder_oracle(model, batch, mask))
+    long = torch.randint(1, 48, (1, 40))  # truncate_prompt keeps room for the look-ahead too
+    cfg = GenerationConfig(max_new_tokens=10, num_speculative_tokens=4, truncate_prompt=True)
+    out = generate_output(model, long, None, cfg, draft_model=draft)
+    kept = long[:, -(32 - 10 - 4):]
+    assert_same_tokens_up_to_ties(torch.cat([kept, out.sequences[:, -10:]], 1), generate(model, kept, max_new_tokens=10),
+                                  kept.shape[1], decoder_oracle(model, kept, None))
+
+
+def test_the_drafts_training_mode_is_restored():
+    """The target's mode was restored after a request but the draft was left in eval mode."""
+    model, draft = tiny_decoder(seed=1), tiny_decoder(seed=2).train()
+    generate(model, torch.tensor([[3, 4, 5]]), max_new_tokens=4, draft_model=draft)
+    assert draft.training and all(m.training for m in draft.modules())

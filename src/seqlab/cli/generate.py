@@ -19,7 +19,7 @@ from seqlab.data.readers import read_text_file
 from seqlab.generate import GenerationConfig, generate_output, stream
 from seqlab.generate.chat import end_ids, turn_end_ids
 from seqlab.generate.engine import is_encoder_decoder
-from seqlab.generate.text import until_eos
+from seqlab.generate.text import read_on, until_eos
 from seqlab.io import load_pretrained
 from seqlab.quant.convert import model_layout
 from seqlab.runtime import atomic_write_text
@@ -218,13 +218,14 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.flush()
         sys.stdout.write("\n")
         out = s.output
-        texts = [tok.decode(until_eos(out.sequences[0, first_new:].tolist(), eos))]
+        texts = [read_on(tok, [] if encdec else rows[0][-1:], until_eos(out.sequences[0, first_new:].tolist(), eos))]
         texts = [t.strip() for t in texts] if alone else texts
     else:
         out = generate_output(model, ids, mask, cfg, draft_model=draft, tokenizer=tok)
         texts = []
         for i, p in enumerate(prompts):
-            text = tok.decode(until_eos(out.sequences[i, first_new:].tolist(), eos))  # not the padding after it
+            # not the padding after EOS; read on from the prompt's last token (a SentencePiece word keeps its space)
+            text = read_on(tok, [] if encdec else rows[i][-1:], until_eos(out.sequences[i, first_new:].tolist(), eos))
             shown = text.strip() if alone else f"{p}{text}"  # a reply alone; a completion after its prompt
             texts.append(text.strip() if alone else text)
             print(shown if len(prompts) == 1 else f"[{i}] {shown}")

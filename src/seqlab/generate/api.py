@@ -66,20 +66,23 @@ def _run(model, input_ids, attention_mask, cfg: GenerationConfig, draft_model=No
     device = input_ids.device if isinstance(input_ids, Tensor) else None
     timing.reset_peak_memory(device)
     clock = timing.Stopwatch(device)  # started before the input checks: the TTFT counts them
-    prep = prepare(model, input_ids, attention_mask, cfg)
+    prep = prepare(model, input_ids, attention_mask, cfg,
+                   lookahead=cfg.num_speculative_tokens if strategy == "speculative" else 0)
     B = prep.input_ids.shape[0]
     metrics = GenerationMetrics(strategy=strategy, batch_size=B, prompt_tokens=int(prep.lengths.sum()))
-    text = None if strategy == "beam" else TextStream.for_request(tokenizer, B, cfg.stop_strings, want_chunks)
+    text = None if strategy == "beam" else TextStream.for_request(tokenizer, B, cfg.stop_strings, want_chunks,
+                                                                  prep.last_tokens())
     scores = None
     # inference_mode skips autograd bookkeeping on every small op of the decode loop; the returned tensors are
     # cloned outside it below, so callers may use them in autograd later (e.g. as training inputs).
-    with _eval_mode(model), torch.inference_mode():
+    draft_mode = _eval_mode(draft_model) if draft_model is not None else contextlib.nullcontext()
+    with _eval_mode(model), draft_mode, torch.inference_mode():
         if cfg.max_new_tokens == 0:
             new = torch.empty(B, 0, dtype=torch.long, device=device)
         elif strategy == "beam":
             new, scores = beam_search(model, prep, cfg, metrics, clock)
             if want_chunks:  # the whole text at once: beam search settles it only at the end
-                yield _beam_chunk(new, prep.eos, TextStream.for_request(tokenizer, B, [], True))
+                yield _beam_chunk(new, prep.eos, TextStream.for_request(tokenizer, B, [], True, prep.last_tokens()))
         else:
             loop = (speculative_loop(model, draft_model, prep, cfg, text, metrics, want_chunks, clock)
                     if strategy == "speculative" else sample_loop(model, prep, cfg, text, metrics, want_chunks, clock))

@@ -27,6 +27,15 @@ class Prepared:
     pad: int
     encdec: bool
 
+    def last_tokens(self) -> list[list[int]]:
+        """Each row's last prompt token (none for an encoder-decoder, whose output answers its source): the
+        context its new text reads on from."""
+        if self.encdec:
+            return [[] for _ in range(self.input_ids.shape[0])]
+        if self.last_index is None:
+            return [[t] for t in self.input_ids[:, -1].tolist()]
+        return [[t] for t in self.input_ids.gather(1, self.last_index[:, None])[:, 0].tolist()]
+
 
 def infer_attention_mask(input_ids: Tensor, attention_mask: Tensor | None, pad: int | None, eos: list[int]) -> Tensor | None:
     """Hugging Face's rule: with no mask given, a pad id (that is not also EOS) present in the input marks padding."""
@@ -61,8 +70,10 @@ def _check_special_ids(eos: list[int], pad: int, vocab_size: int) -> None:
         raise ValueError(f"pad_token_id {pad} is outside the model's vocabulary [0, {vocab_size})")
 
 
-def prepare(model, input_ids: Tensor, attention_mask: Tensor | None, cfg: GenerationConfig) -> Prepared:
-    """Validate shapes, lengths and special ids; apply the documented truncation; find each row's last real token."""
+def prepare(model, input_ids: Tensor, attention_mask: Tensor | None, cfg: GenerationConfig,
+            lookahead: int = 0) -> Prepared:
+    """Validate shapes, lengths and special ids; apply the documented truncation; find each row's last real token.
+    ``lookahead``: positions a strategy reads past its last new token (speculative decoding's drafts)."""
     mcfg = model.config
     if mcfg.arch == "encoder":  # it sees every position at once: no next token to predict, and no cache
         raise ValueError("generation needs a decoder or an encoder-decoder; this model is an encoder "
@@ -88,18 +99,20 @@ def prepare(model, input_ids: Tensor, attention_mask: Tensor | None, cfg: Genera
     encdec = is_encoder_decoder(model)
     limit = mcfg.max_seq_len
     longest = int(lengths.max())
-    if longest > limit or (not encdec and mcfg.pos == "learned" and longest + cfg.max_new_tokens > limit):
-        need = longest if longest > limit else longest + cfg.max_new_tokens
+    reach = cfg.max_new_tokens + lookahead  # positions past the prompt that a learned table must hold
+    if longest > limit or (not encdec and mcfg.pos == "learned" and longest + reach > limit):
+        need = longest if longest > limit else longest + reach
         what = "prompt" if not encdec else "source"
         if not cfg.truncate_prompt:
+            ahead = f" + the drafts' look-ahead {lookahead}" if lookahead else ""
             size = (f"{longest} tokens" if longest > limit
-                    else f"{longest} tokens + max_new_tokens={cfg.max_new_tokens} = {need}")
+                    else f"{longest} tokens + max_new_tokens={cfg.max_new_tokens}{ahead} = {need}")
             lower = "" if longest > limit else "lower max_new_tokens (--max-new-tokens), "
             raise ValueError(
                 f"{what} of {size} exceeds the model's context (ModelConfig.max_seq_len={limit}); shorten it, "
                 f"{lower}or set GenerationConfig.truncate_prompt=True to keep the last tokens (on the command line: "
                 "--truncate)")
-        keep = limit if (encdec or mcfg.pos != "learned") else limit - cfg.max_new_tokens
+        keep = limit if (encdec or mcfg.pos != "learned") else limit - reach
         if keep < 1:
             raise ValueError(f"max_new_tokens={cfg.max_new_tokens} leaves no room for a prompt in the context "
                              f"(ModelConfig.max_seq_len={limit})")

@@ -59,19 +59,20 @@ def speculative_loop(target, draft, prep: Prepared, cfg: GenerationConfig, text:
     K, max_new = cfg.num_speculative_tokens, cfg.max_new_tokens
     proc = LogitsProcessor(cfg.sampling())
     gen = make_generator(cfg, device)
-    draft.eval()
     clock = clock or timing.Stopwatch(device)
 
     slots = T + max_new + K + 1 if B == 1 else T + (K + 1) * max_new + 1  # holes appear only when B > 1
-    for role, m, need in (("target", target, slots), ("draft", draft, slots + 1)):
-        if m.config.pos == "learned" and need > m.config.max_seq_len:  # said before any work, with what to lower
-            raise ValueError(f"speculative decoding of this request keeps {need} cache slots (prompt {T}, "
-                             f"max_new_tokens {max_new}, num_speculative_tokens {K}, batch {B}: a round looks "
-                             f"{K} tokens ahead), past the {role}'s learned position table (max_seq_len="
+    # positions skip the holes: a row reaches at most its prompt + max_new_tokens + the last round's look-ahead
+    positions = int(prep.lengths.max()) + max_new + K
+    for role, m in (("target", target), ("draft", draft)):
+        if m.config.pos == "learned" and positions > m.config.max_seq_len:  # said before any work, with what to lower
+            raise ValueError(f"speculative decoding of this request reaches {positions} positions (prompt "
+                             f"{int(prep.lengths.max())}, max_new_tokens {max_new}, num_speculative_tokens {K}: a "
+                             f"round looks {K} tokens ahead), past the {role}'s learned position table (max_seq_len="
                              f"{m.config.max_seq_len}); lower max_new_tokens or num_speculative_tokens, or decode "
                              "without the draft")
-    t_cache = target.new_cache(B, slots, dtype=next(target.parameters()).dtype, device=device)
-    d_cache = draft.new_cache(B, slots + 1, dtype=next(draft.parameters()).dtype, device=device)
+    t_cache = target.new_cache(B, slots, dtype=next(target.parameters()).dtype, device=device, positions=positions)
+    d_cache = draft.new_cache(B, slots + 1, dtype=next(draft.parameters()).dtype, device=device, positions=positions)
     p0 = proc.probs(prefill(target, prep.input_ids, t_cache, prep.attention_mask, last_index=prep.last_index))
     prefill(draft, prep.input_ids, d_cache, prep.attention_mask, last_index=prep.last_index)
     metrics.kv_cache_bytes = t_cache.nbytes + d_cache.nbytes

@@ -6,6 +6,8 @@ text each row gained and whether a stop string now occurs, and they yield :class
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,26 +18,50 @@ def until_eos(tokens: list[int], eos) -> list[int]:
     return tokens[: next((i + 1 for i, t in enumerate(tokens) if t in eos), len(tokens))]
 
 
+def read_on(tokenizer, context: list[int], ids: list[int], skip_special_tokens: bool = True) -> str:
+    """The text of ``ids`` as it reads on from ``context`` (a prompt's last token): decoded behind it, which is cut
+    off again. A SentencePiece decoder drops the space before a text's first word, so alone "▁be" read "be"."""
+    decode = tokenizer.decode if skip_special_tokens else functools.partial(tokenizer.decode, skip_special_tokens=False)
+    if context:
+        before, whole = decode(list(context)), decode(list(context) + list(ids))
+        if whole.startswith(before) and "\ufffd" not in before:
+            return whole[len(before):]
+    return decode(list(ids))
+
+
 class TextTracker:
     """Incremental detokenisation per row, for streaming text and stop strings.
 
     Decodes the row's generated ids so far and emits what was added since last time; holds back text that
     ends in U+FFFD (an incomplete UTF-8 byte sequence that the next token will complete).
+
+    ``context``: per row, the prompt's last token, which the new text reads on from (:func:`read_on`; "To be"
+    continued by "▁be" read "To bebe" without it). Stop strings are looked for in the new tokens' text and in
+    its spelling with special tokens (HF's stop strings match token strings: ``stop=["<|im_end|>"]`` stops there).
     """
 
-    def __init__(self, tokenizer, batch_size: int, stop_strings: list[str]):
+    def __init__(self, tokenizer, batch_size: int, stop_strings: list[str], context: list[list[int]] | None = None):
         self.tokenizer = tokenizer
         self.ids: list[list[int]] = [[] for _ in range(batch_size)]
         self.emitted = [0] * batch_size
         self.stop_strings = stop_strings
         self.text = [""] * batch_size
+        self.context = [list(c) for c in context] if context is not None else [[] for _ in range(batch_size)]
+        # a tokenizer of the caller's may know no special tokens, and decode(ids) alone
+        self.spells_specials = "skip_special_tokens" in inspect.signature(tokenizer.decode).parameters
+
+    def _new_text(self, row: int, skip_special_tokens: bool = True) -> str:
+        return read_on(self.tokenizer, self.context[row], self.ids[row], skip_special_tokens)
 
     def push(self, row: int, tokens: list[int]) -> tuple[str, bool]:
         """Append tokens to ``row``; return (new text piece, whether a stop string now occurs)."""
         self.ids[row].extend(tokens)
-        text = self.tokenizer.decode(self.ids[row])
+        text = self._new_text(row)
         self.text[row] = text
         stopped = any(s in text for s in self.stop_strings)
+        if self.stop_strings and not stopped and self.spells_specials:
+            spelled = self._new_text(row, skip_special_tokens=False)
+            stopped = spelled != text and any(s in spelled for s in self.stop_strings)
         if text.endswith("\ufffd") and not stopped:
             return "", False
         piece = text[self.emitted[row]:]
@@ -66,19 +92,21 @@ class TextTracker:
 class TextStream:
     """The text side of one request: a :class:`TextTracker` over the original rows of the batch."""
 
-    def __init__(self, tokenizer, batch_size: int, stop_strings: list[str]):
+    def __init__(self, tokenizer, batch_size: int, stop_strings: list[str], context: list[list[int]] | None = None):
         self.batch_size = batch_size
         self.has_stop_strings = bool(stop_strings)
-        self.tracker = TextTracker(tokenizer, batch_size, stop_strings)
+        self.tracker = TextTracker(tokenizer, batch_size, stop_strings, context)
 
     @classmethod
-    def for_request(cls, tokenizer, batch_size: int, stop_strings: list[str], want_text: bool) -> "TextStream | None":
-        """A TextStream when text is wanted (streaming with a tokenizer) or needed (stop strings), else None."""
+    def for_request(cls, tokenizer, batch_size: int, stop_strings: list[str], want_text: bool,
+                    context: list[list[int]] | None = None) -> "TextStream | None":
+        """A TextStream when text is wanted (streaming with a tokenizer) or needed (stop strings), else None.
+        ``context``: each row's last prompt token (:class:`TextTracker`)."""
         if stop_strings and tokenizer is None:
             raise ValueError("GenerationConfig.stop_strings needs a tokenizer (pass tokenizer=...)")
         if tokenizer is None or not (want_text or stop_strings):
             return None
-        return cls(tokenizer, batch_size, stop_strings)
+        return cls(tokenizer, batch_size, stop_strings, context)
 
     def push(self, rows: list[int], tokens: list[list[int]], live: list[bool] | None = None
              ) -> tuple[list[str], list[bool], list[int]]:

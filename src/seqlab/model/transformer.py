@@ -67,8 +67,11 @@ class Stack(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, cross) for _ in range(n_layers))
         self.norm = make_norm(cfg) if cfg.final_norm else nn.Identity()
 
-    def new_cache(self, batch_size: int, max_len: int, dtype=None, device=None) -> KVCache:
-        self._check_length(max_len)
+    def new_cache(self, batch_size: int, max_len: int, dtype=None, device=None,
+                  positions: int | None = None) -> KVCache:
+        """A cache of ``max_len`` slots per row. ``positions``: the most positions a row reaches, where fewer than the
+        slots (a speculative batch leaves holes that positions skip); the model's length limits apply to them."""
+        self._check_length(max_len if positions is None else positions)
         # dtype and device from a stored tensor: a swapped-in embedding may compute ``weight`` (a whole-table copy)
         p = next(t for t in itertools.chain(self.parameters(), self.buffers()) if t.is_floating_point())
         return KVCache(len(self.blocks), batch_size, self.cfg.n_kv_heads, self.cfg.head_dim, max_len,
@@ -209,8 +212,9 @@ class _OneStack(_Model):
 class Decoder(_OneStack):
     causal = True
 
-    def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None, device=None) -> KVCache:
-        return self.stack.new_cache(batch_size, max_len or self.config.max_seq_len, dtype, device)
+    def new_cache(self, batch_size: int, max_len: int | None = None, dtype=None, device=None,
+                  positions: int | None = None) -> KVCache:
+        return self.stack.new_cache(batch_size, max_len or self.config.max_seq_len, dtype, device, positions)
 
     def body(self, input_ids, attention_mask=None, position_ids=None, cache=None, document_ids=None,
              keep=None) -> Tensor:
