@@ -175,3 +175,20 @@ def test_generation_config_eos_ids_stop_generation_as_in_hf(tmp_path):
     got = generate(ours, prompt, max_new_tokens=8)
     assert got[0, :expected.shape[1]].tolist() == expected[0].tolist()
     assert set(got[0, expected.shape[1]:].tolist()) <= {1}  # only padding after the stop
+
+
+def test_a_sharded_folder_loads_and_a_bad_index_is_named(tmp_path):
+    """A sharded folder loads as the single file does; an index without its weight map gave a KeyError traceback,
+    and one that is not JSON a message naming no file."""
+    hf = _randomised(transformers.LlamaForCausalLM, transformers.LlamaConfig(**SMALL))
+    hf.save_pretrained(tmp_path, max_shard_size="40KB")
+    index = tmp_path / "model.safetensors.index.json"
+    assert index.is_file() and len(set(json.loads(index.read_text())["weight_map"].values())) > 1
+    _check_parity(hf, load_hf(tmp_path))
+    good = index.read_text()
+    for bad, message in (('{"metadata": {}}', "no 'weight_map' object"),
+                         (good.replace('"weight_map"', '"weight_map":', 1), "not valid JSON"),
+                         ('{"weight_map": {"lm_head.weight": "../elsewhere.safetensors"}}', "no 'weight_map'")):
+        index.write_text(bad)
+        with pytest.raises(CheckpointError, match=rf"model\.safetensors\.index\.json.*{message}"):
+            load_hf(tmp_path)

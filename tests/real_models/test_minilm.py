@@ -139,3 +139,9 @@ def test_a_bare_bert_exports_as_the_encoder_it_is(minilm_dir, embedder, tmp_path
         hidden = hf(input_ids=batch[0], attention_mask=batch[1]).last_hidden_state
     pooled = F.normalize(hidden.mean(1), dim=-1)[0]
     torch.testing.assert_close(pooled, ref[0], rtol=0, atol=1e-5)
+    # its tokenizer still gives sentence pairs their segments (transformers dropped token_type_ids without the name)
+    from transformers import AutoTokenizer
+
+    pair = AutoTokenizer.from_pretrained(out)("hi", "there")
+    assert pair == AutoTokenizer.from_pretrained(minilm_dir)("hi", "there")
+    assert pair["token_type_ids"] == [0, 0, 0, 1, 1]

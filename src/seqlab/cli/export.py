@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"seqlab export: note: {model_dir} has no MLM head (a bare BertModel); exported the encoder alone, "
                   "as BertModel", file=sys.stderr)
         if tokenizer is not None:
-            tokenizer.save_pretrained(out, model_max_length=model.config.max_seq_len)
+            tokenizer.save_pretrained(out, model_max_length=model.config.max_seq_len,
+                                      segments=model.config.type_vocab_size > 1)
     else:
         out = export_gguf(model, args.out, tokenizer, weight_type=args.weights, name=Path(args.source).name)
     print(f"exported {model_dir} -> {out} ({args.format})")

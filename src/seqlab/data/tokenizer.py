@@ -182,25 +182,28 @@ class Tokenizer:
         self.add_bos_token, self.add_eos_token = add_bos, add_eos
 
     # ------------------------------------------------------------------------------------------ saving
-    def save(self, path: str | os.PathLike, model_max_length: int | None = None) -> None:
+    def save(self, path: str | os.PathLike, model_max_length: int | None = None, segments: bool = False) -> None:
         """Write ``tokenizer.json`` at ``path``; when the file is named so, ``tokenizer_config.json`` goes beside it
         (specials, chat template), so a reload (e.g. on resume) gets the same specials and template."""
         path = Path(path)
         atomic_write_text(path, self.backend.to_str(pretty=True))
         if path.name == "tokenizer.json":
             atomic_write_text(path.with_name("tokenizer_config.json"),
-                              json.dumps(self.tokenizer_config(model_max_length), indent=2, ensure_ascii=False) + "\n")
+                              json.dumps(self.tokenizer_config(model_max_length, segments), indent=2,
+                                         ensure_ascii=False) + "\n")
 
-    def save_pretrained(self, folder: str | os.PathLike, model_max_length: int | None = None) -> Path:
+    def save_pretrained(self, folder: str | os.PathLike, model_max_length: int | None = None,
+                        segments: bool = False) -> Path:
         """Write ``tokenizer.json`` + ``tokenizer_config.json`` into ``folder`` (atomically): the pair that
         ``tokenizers.Tokenizer.from_file`` and ``transformers.AutoTokenizer.from_pretrained`` load."""
         folder = Path(folder)
-        self.save(folder / "tokenizer.json", model_max_length)
+        self.save(folder / "tokenizer.json", model_max_length, segments)
         return folder
 
-    def tokenizer_config(self, model_max_length: int | None = None) -> dict[str, Any]:
+    def tokenizer_config(self, model_max_length: int | None = None, segments: bool = False) -> dict[str, Any]:
         """The ``tokenizer_config.json`` document (HF keys, plus ``seqlab_eot_token``); ``model_max_length`` is the
-        model's context where one is known (an export), else HF's "no limit"."""
+        model's context where one is known (an export), else HF's "no limit". ``segments``: the model reads token
+        type ids (BERT's sentence pairs), which transformers returns only when the config names them."""
         cfg: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
                                "add_bos_token": self.add_bos_token, "add_eos_token": self.add_eos_token}
         for role in _ROLES:
@@ -212,6 +215,8 @@ class Tokenizer:
             cfg["chat_template"] = self.chat_template
         if self.eot_token:
             cfg["seqlab_eot_token"] = self.eot_token
+        if segments:
+            cfg["model_input_names"] = ["input_ids", "token_type_ids", "attention_mask"]
         return cfg
 
     # ------------------------------------------------------------------------------------------ basics

@@ -81,7 +81,7 @@ def tokenizer_metadata(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
                           f"llama.cpp's that seqlab knows ({', '.join(sorted(GGUF_PRE_TOKENIZERS))}), so a GGUF "
                           "reader would tokenize differently; export to a Hugging Face folder instead")
     meta = {"tokens": tokens, "types": types, "merges": merges, "chat_template": tokenizer.chat_template,
-            "pre": pre or "gpt2"}
+            "pre": pre or "gpt-2"}
     meta.update(bos=tokenizer.bos_id, eos=tokenizer.eos_id, pad=tokenizer.pad_id, unk=tokenizer.unk_id)
     return meta
 

@@ -8,7 +8,6 @@ because a silently half-loaded model is the worst failure an importer can have.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable
@@ -348,7 +347,11 @@ def _read_hf_tensors(folder: Path) -> dict[str, Tensor]:
         return load_tensors(single)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_config_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and Path(v).name == v
+                                                       for v in weight_map.values()):
+            raise CheckpointError(f"{index}: no 'weight_map' object naming each tensor's shard file")
+        shards = sorted(set(weight_map.values()))
         tensors: dict[str, Tensor] = {}
         for shard in shards:
             tensors.update(load_tensors(folder / shard))

@@ -51,8 +51,8 @@ def _regex_pre(pattern: str):
 
 GGUF_PRE_TOKENIZERS = {
     "default": _gpt2_pre,
+    "gpt-2": _gpt2_pre,  # llama.cpp's name, and so the one written; "gpt2" is read too (files from other writers)
     "gpt2": _gpt2_pre,
-    "gpt-2": _gpt2_pre,
     "smollm": _digits_then_gpt2_pre,
     "starcoder": _digits_then_gpt2_pre,
     "refact": _digits_then_gpt2_pre,
@@ -82,7 +82,7 @@ def _spec_of(build) -> Any:
 
 def gguf_pre_name(backend: Backend) -> str | None:
     """The ``tokenizer.ggml.pre`` that splits text as ``backend``'s pre-tokenizer does (the first of equivalent
-    names, "gpt2" before "default"), or None when llama.cpp knows none that seqlab does. A GGUF file read back
+    names, "gpt-2" before "default"), or None when llama.cpp knows none that seqlab does. A GGUF file read back
     splits by that name, so writing another would tokenize the same text differently (SmolLM2's "smollm" keeps
     every digit apart; GPT-2's split does not)."""
     spec = _splitting(json.loads(backend.to_str()).get("pre_tokenizer"))
