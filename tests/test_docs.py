@@ -47,6 +47,7 @@ SHRINK: list[tuple[str, list[str]]] = [
     (r"^seqlab generate", ["--max-new-tokens", "8"]),
     # a whole split in 8192-token windows is minutes of prefill (over 10 under the AVX2 caps): score its start
     (r"^seqlab perplexity", ["--max-bytes", "3000"]),
+    (r"^curl ", ["--fail"]),  # `curl -s` exits 0 on an HTTP error reply: the documented request must succeed
 ]
 
 # benchmarks run for minutes (`make bench` runs them): here a documented one must parse its flags, so the script
@@ -298,3 +299,14 @@ def test_relative_links_resolve(page: Path) -> None:
         if target and not re.match(r"[a-z]+:", target) and not (page.parent / target).exists():
             broken.append(match.group(1))
     assert not broken, f"{page.name} links to missing files: {broken}"
+
+
+def test_the_readmes_torch_override_reaches_pip_as_separate_arguments() -> None:
+    """README's ``make demo TORCH_SPEC="torch==2.13.0 --index-url <your index>"``: the Makefile quoted the whole
+    spec, so pip got one argument and refused it as an invalid requirement."""
+    spec = "torch==2.13.0 --index-url https://example.invalid/whl/cpu"
+    plan = subprocess.run(["make", "-n", "-B", "install", f"TORCH_SPEC={spec}", "VENV=/nonexistent-venv"],
+                          cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    line = next(line for line in plan.splitlines() if "pip install" in line and "torch==" in line)
+    args = shlex.split(line)
+    assert args[args.index("torch==2.13.0") + 1:][:2] == ["--index-url", "https://example.invalid/whl/cpu"]

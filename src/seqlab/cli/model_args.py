@@ -33,8 +33,13 @@ def _dtype_name(text: str) -> str:
     return _DTYPE_ALIASES.get(text.lower(), text)
 
 
-def add_model_source(p: argparse.ArgumentParser, required: bool = True) -> None:
-    """``--checkpoint | --gguf | --model`` (exactly one), ``--dtype`` and ``--device``."""
+AUTO_DTYPE = ("fp32 weights; bf16 products for long prompts and batched decoding only where this CPU has native "
+              "bf16 and they measure faster, see docs/acceleration.md")
+
+
+def add_model_source(p: argparse.ArgumentParser, required: bool = True, auto_dtype: str = AUTO_DTYPE) -> None:
+    """``--checkpoint | --gguf | --model`` (exactly one), ``--dtype`` and ``--device``. ``auto_dtype``: what
+    ``--dtype auto`` means for this command (``serve`` and ``perplexity`` run in the loaded dtype)."""
     src = p.add_mutually_exclusive_group(required=required)
     src.add_argument("--checkpoint", metavar="DIR",
                      help="seqlab model folder, training checkpoint, or run directory (uses its latest checkpoint)")
@@ -42,9 +47,8 @@ def add_model_source(p: argparse.ArgumentParser, required: bool = True) -> None:
     src.add_argument("--model", metavar="HFDIR", help="Hugging Face folder (config.json, model.safetensors, "
                                                       "tokenizer.json)")
     p.add_argument("--dtype", type=_dtype_name, choices=(*DTYPES, "auto"), default="auto",
-                   help="compute dtype: auto (default: fp32 weights; bf16 products for long prompts and batched decoding "
-                        "only where this CPU has native bf16 and they measure faster, see docs/acceleration.md), fp32 "
-                        "(exactly fp32 everywhere), or bf16 (float32/bfloat16 are accepted too)")
+                   help=f"compute dtype: auto (default: {auto_dtype}), fp32 (exactly fp32 everywhere), or bf16 "
+                        "(float32/bfloat16 are accepted too)")
     p.add_argument("--device", default="cpu", help="torch device: cpu (default), cuda[:N], or auto (a GPU if any)")
     add_quant_flags(p)
 

@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("perplexity", help="perplexity and bits per byte over a text, dense or quantised",
                        description="Score every token of the text once, in a sliding window of the model's "
                                    "context (stride = half the window), and print perplexity and bits per byte.")
-    add_model_source(p)
+    add_model_source(p, auto_dtype="fp32 weights and products")
     text = p.add_mutually_exclusive_group(required=True)
     text.add_argument("--file", metavar="TEXT", help="UTF-8 text file to score")
     text.add_argument("--split", choices=("validation", "train"), help="the embedded corpus split to score")

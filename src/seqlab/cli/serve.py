@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "is printed. SIGTERM stops admitting, lets running replies finish (--shutdown-timeout), ends the "
                     "rest with an API error and exits 0. With no model given it serves the packaged "
                     "SmolLM2-135M-Instruct.")
-    add_model_source(p, required=False)  # none given: the packaged SmolLM2-135M-Instruct, as `seqlab chat`
+    # none given: the packaged SmolLM2-135M-Instruct, as `seqlab chat`
+    add_model_source(p, required=False, auto_dtype="fp32 weights and products")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on the listening line)")
     p.add_argument("--max-batch", type=int, default=16, help="KV slots: requests decoded together (default 16)")
