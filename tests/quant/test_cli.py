@@ -75,3 +75,46 @@ def test_group_size_on_the_fly_matches_a_quantised_checkpoint(tmp_path):
     proc = run_seqlab(["perplexity", "--checkpoint", "q8", "--file", "t.txt", "--json", "p.json"], cwd=tmp_path)
     assert "in one scale per output channel" in proc.stdout  # the groups, not only the bits
     assert "one scale per output channel" in json.loads((tmp_path / "p.json").read_text())["quant_layers"]
+
+
+def test_int8_and_int4_round_the_fp32_weights_whatever_the_dtype(tmp_path):
+    """``--quant int8 --dtype bf16`` quantised a bf16 copy of the weights, so 452 elements of one layer sat past
+    half a quantisation step of the real weight; a quantised checkpoint loaded with a dtype ignored it."""
+    import argparse
+
+    from seqlab.cli.model_args import load_model
+
+    write_tiny_llama(tmp_path / "tiny.gguf")
+
+    def layers(**flags):
+        base = dict(checkpoint=None, model=None, gguf=None, device="cpu", dtype="fp32", quant=None, group_size=None)
+        model = load_model(argparse.Namespace(**{**base, **flags})).model
+        return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}, model
+
+    for source in (dict(gguf=str(tmp_path / "tiny.gguf")), dict(gguf=str(tmp_path / "tiny.gguf"), group_size=0)):
+        for quant in ("int8", "int4"):
+            if quant == "int4" and source.get("group_size") == 0:
+                continue
+            ref, _ = layers(quant=quant, **source)
+            got, model = layers(quant=quant, dtype="bf16", **source)
+            assert ref.keys() == got.keys() and len(ref) > 0
+            for name in ref:
+                assert torch.equal(ref[name].qweight, got[name].qweight), name
+                assert torch.equal(ref[name].scales, got[name].scales), name
+            assert model.stack.norm.weight.dtype == torch.bfloat16  # the rest of the model takes --dtype
+    assert run_seqlab(["quantize", "--gguf", "tiny.gguf", "--bits", "8", "--out", "q8"], cwd=tmp_path).returncode == 0
+    assert load_pretrained(tmp_path / "q8", dtype=torch.bfloat16).stack.norm.weight.dtype == torch.bfloat16
+
+
+def test_quantizing_a_run_or_its_checkpoints_folder_keeps_the_tokenizer(tmp_path):
+    """``--checkpoint RUN/checkpoints`` quantised the latest checkpoint but looked for its tokenizer in the folder
+    named, so the result could not read a text prompt."""
+    proc = run_seqlab(["train", "--preset", "tiny", "--tokenizer", "byte", "--max-steps", "1", "--batch-size", "2",
+                       "--seq-len", "32", "--eval-batches", "1", "--no-progress", "--out", "run"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for source, out in (("run/checkpoints", "q1"), ("run", "q2")):
+        assert run_seqlab(["quantize", "--checkpoint", source, "--bits", "8", "--out", out],
+                          cwd=tmp_path).returncode == 0
+        assert (tmp_path / out / "tokenizer.json").is_file()
+        proc = run_seqlab(["generate", "--checkpoint", out, "--prompt", "Hi", "--max-new-tokens", "2"], cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr

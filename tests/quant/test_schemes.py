@@ -52,3 +52,23 @@ def test_bad_schemes_name_the_layer(bits, group, in_features, needle):
     with pytest.raises(ValueError, match="blocks.3.mlp.down") as e:
         QuantLinear.from_weight(torch.randn(8, in_features), Scheme(bits, group), name="blocks.3.mlp.down")
     assert needle in str(e.value)
+
+
+def test_refusals_say_what_is_wrong():
+    """An int8 row of 100 was refused as "group size 100 does not divide in_features=100"; NaN, inf and a group
+    whose range overflows fp32 quantised silently into NaN groups."""
+    with pytest.raises(ValueError, match=r"^qkv: int8 needs in_features to be a multiple of 8, got 100$"):
+        Scheme(8, 0).check(100, "qkv")
+    with pytest.raises(ValueError, match=r"^up: group size 64 does not divide in_features=96; a group size that "
+                                         r"divides it: 32$"):
+        Scheme(8, 64).check(96, "up")
+    for bad in (float("nan"), float("inf")):
+        w = torch.randn(4, 64)
+        w[1, 3] = bad
+        for bits in (8, 4):
+            with pytest.raises(ValueError, match=r"^down: the weight holds NaN or inf"):
+                quantize_weight(w, Scheme(bits, 32), "down")
+    wide = torch.zeros(2, 32)
+    wide[0, 0], wide[0, 1] = 3e38, -3e38
+    with pytest.raises(ValueError, match="overflows fp32"):
+        quantize_weight(wide, Scheme(4, 32))

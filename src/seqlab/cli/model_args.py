@@ -21,7 +21,7 @@ from torch import nn
 
 from seqlab.data import Tokenizer, load_tokenizer
 from seqlab.io import load_gguf, load_hf, load_pretrained, resolve_checkpoint
-from seqlab.quant import quantize
+from seqlab.quant.convert import cast_unquantised, quantize
 from seqlab.runtime.dist import resolve_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -90,10 +90,12 @@ def load_model(args: argparse.Namespace, default_gguf: Path | None = None) -> Lo
     dtype = DTYPES.get(args.dtype, torch.float32)  # auto: load fp32, the accelerator picks the compute dtype
     group_size = getattr(args, "group_size", None)
     check_quant_flags(args.quant, group_size, may_be_quantised=bool(args.checkpoint))
+    # int8/int4 round the fp32 weights; the rest of the model takes --dtype after (quant.convert.cast_unquantised)
+    dense = torch.float32 if args.quant in ("int8", "int4") else dtype
     if args.checkpoint:
         folder = resolve_checkpoint(args.checkpoint)
-        model = apply_quant(load_pretrained(folder, dtype=dtype, device=device), args.quant, f"--checkpoint {folder}",
-                            group_size)
+        model = apply_quant(load_pretrained(folder, dtype=dense, device=device), args.quant, f"--checkpoint {folder}",
+                            group_size, dtype)
         tok_path = folder / "tokenizer.json"
         if not tok_path.is_file():
             raise FileNotFoundError(f"{tok_path}: no tokenizer next to the checkpoint; text prompts need one")
@@ -103,7 +105,8 @@ def load_model(args: argparse.Namespace, default_gguf: Path | None = None) -> Lo
         return LoadedModel(model, tokenizer, folder)
     if args.model:
         folder = Path(args.model)
-        model = apply_quant(load_hf(folder, dtype=dtype, device=device), args.quant, f"--model {folder}", group_size)
+        model = apply_quant(load_hf(folder, dtype=dense, device=device), args.quant, f"--model {folder}", group_size,
+                            dtype)
         return LoadedModel(model, Tokenizer.from_pretrained(folder), folder)
     path = Path(args.gguf) if args.gguf else default_gguf
     if path is None:
@@ -111,8 +114,8 @@ def load_model(args: argparse.Namespace, default_gguf: Path | None = None) -> Lo
     if group_size is None:
         model, tokenizer = load_gguf(path, dtype=dtype, device=device, quant=args.quant)
     else:  # the file's weights, dense, re-quantised at the size asked for
-        model, tokenizer = load_gguf(path, dtype=dtype, device=device)
-        model = apply_quant(model, args.quant, f"--gguf {path}", group_size)
+        model, tokenizer = load_gguf(path, dtype=dense, device=device)
+        model = apply_quant(model, args.quant, f"--gguf {path}", group_size, dtype)
     return LoadedModel(model, tokenizer, path)
 
 
@@ -138,9 +141,10 @@ def prompt_ids(loaded: LoadedModel, text: str, bos: bool = True) -> list[int]:
     return loaded.tokenizer.encode(text, add_special_tokens=bos)
 
 
-def apply_quant(model: nn.Module, quant: str | None, source: str, group_size: int | None = None) -> nn.Module:
-    """Quantise a loaded dense model for ``--quant`` (``gguf`` keeps a GGUF file's blocks, so it applies at load),
-    in groups of ``group_size`` (None: the scheme's default)."""
+def apply_quant(model: nn.Module, quant: str | None, source: str, group_size: int | None = None,
+                dtype: torch.dtype | None = None) -> nn.Module:
+    """Quantise a loaded dense (fp32) model for ``--quant`` (``gguf`` keeps a GGUF file's blocks, so it applies at
+    load), in groups of ``group_size`` (None: the scheme's default); the layers left dense then take ``dtype``."""
     if quant is None:
         if group_size is not None and model.config.extra.get("quant"):
             raise ValueError(f"--group-size {group_size}: {source} is already quantised (seqlab quantize); drop "
@@ -151,4 +155,4 @@ def apply_quant(model: nn.Module, quant: str | None, source: str, group_size: in
         raise ValueError(f"--quant {quant}: {source} is already quantised (seqlab quantize); drop --quant")
     if quant == "gguf":
         raise ValueError(f"--quant gguf keeps a GGUF file's blocks; {source} is not a GGUF file (use int8 or int4)")
-    return quantize(model, bits=int(quant[3:]), group_size=group_size)
+    return cast_unquantised(quantize(model, bits=int(quant[3:]), group_size=group_size), dtype)

@@ -10,7 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from seqlab.io import load_gguf, load_pretrained
+from seqlab.io import load_gguf, load_pretrained, resolve_checkpoint
 from seqlab.io.gguf import GGUF_INT4_GROUP_SIZE
 from seqlab.quant import quantize
 from seqlab.quant.checkpoint import save_quantized
@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     if args.gguf:
         model, tokenizer = load_gguf(args.gguf)
     else:
-        model, tokenizer = load_pretrained(args.checkpoint), None
+        folder = resolve_checkpoint(args.checkpoint)  # a run's or a checkpoints folder's latest checkpoint
+        model, tokenizer = load_pretrained(folder), None
         if model.config.extra.get("quant"):
             raise ValueError(f"--checkpoint {args.checkpoint}: already quantised; quantise the dense model")
     group_size = args.group_size
@@ -56,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer.save_pretrained(out)
     elif args.checkpoint:
         for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (Path(args.checkpoint) / name).is_file():
-                shutil.copyfile(Path(args.checkpoint) / name, out / name)
+            if (folder / name).is_file():  # (from the folder the weights came from, not the one named)
+                shutil.copyfile(folder / name, out / name)
     print(f"wrote {out}: {describe_layout(model.config.extra['quant']['layers'])}", file=sys.stderr)
     return 0

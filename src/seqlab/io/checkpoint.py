@@ -21,7 +21,7 @@ from seqlab.io.hf import load_hf
 from seqlab.io.tensors import load_state_into, load_tensors, read_config_json, save_tensors, unique_state_dict
 from seqlab.model import build_model
 from seqlab.quant.checkpoint import load_quantized, save_quantized
-from seqlab.quant.convert import is_quantized
+from seqlab.quant.convert import cast_unquantised, is_quantized
 from seqlab.runtime import CheckpointError, atomic_write_text
 from seqlab.train.checkpoint import load_checkpoint, resolve_checkpoint
 
@@ -70,7 +70,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
                                   "Hugging Face one (\"model_type\")")
         return load_hf(folder, dtype=dtype, device=device)
     if "quant" in doc:  # written by seqlab.quant (int4 / int8 buffers, checked against their digest)
-        return load_quantized(folder, doc).to(device=device)
+        return cast_unquantised(load_quantized(folder, doc).to(device=device), dtype)
     model = build_model(model_config_from_doc(doc, folder / "config.json"))
     if tensors is None:
         tensors = load_tensors(folder / "model.safetensors")

@@ -35,7 +35,7 @@ from seqlab.io.hf import convert_hf_state_dict
 from seqlab.io.tensors import load_state_into
 from seqlab.io.tokenizer import tokenizer_from_gguf
 from seqlab.model import build_model
-from seqlab.quant import quantize
+from seqlab.quant.convert import cast_unquantised, quantize
 from seqlab.quant.gguf_map import build_with_layers, map_gguf_layers, placeholder
 from seqlab.runtime import progress
 
@@ -103,7 +103,8 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devic
         raise GGUFError(f"quant={quant!r} is not one of gguf, int8, int4 (or None for dense)")
     arch = architecture_of(f)
     layers, used = map_gguf_layers(f, hf_config, arch.qk_to_hf) if quant == "gguf" else ({}, set())
-    tensors = gguf_to_hf_state_dict(f, hf_config, dtype=dtype, placeholders=used)
+    requantise = quant in ("int8", "int4")  # they round the fp32 weights; the rest of the model takes dtype after
+    tensors = gguf_to_hf_state_dict(f, hf_config, dtype=torch.float32 if requantise else dtype, placeholders=used)
     try:
         cfg, state = convert_hf_state_dict(hf_config, tensors)
     except ValueError as e:  # the HF mapping names fields and tensors; name the file too
@@ -114,14 +115,15 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devic
                  "name": f.metadata.get("general.name")}
     _check_model_config(cfg, f)
     if quant == "gguf":
-        return build_with_layers(cfg, state, layers, str(f.path)).to(device=device), tokenizer
+        return cast_unquantised(build_with_layers(cfg, state, layers, str(f.path)).to(device=device), dtype), tokenizer
     with torch.device("cpu"):
         model = build_model(cfg)
-    model.to(dtype)
+    model.to(torch.float32 if requantise else dtype)
     load_state_into(model, state, str(f.path))
     model = model.to(device=device).eval()
-    if quant in ("int8", "int4"):
+    if requantise:
         model = quantize(model, bits=int(quant[3:]), group_size=GGUF_INT4_GROUP_SIZE if quant == "int4" else None)
+        cast_unquantised(model, dtype)
     return model, tokenizer
 
 

@@ -156,6 +156,20 @@ def apply_layout(model: nn.Module, layout: dict) -> nn.Module:
     return model
 
 
+def cast_unquantised(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """``model`` with the float tensors outside its quantised layers in ``dtype`` (None: left as they are).
+
+    Why not ``model.to(dtype)`` before quantising: int8/int4 must round the fp32 weights (a bf16 copy put 452 of a
+    layer's 8192 elements past half a step); and after it, ``.to`` would round the quantised layers' scales too.
+    """
+    if dtype is None:
+        return model
+    for m in model.modules():
+        if not isinstance(m, (QuantLinear, QuantEmbedding)):
+            m._apply(lambda t: t.to(dtype) if t.is_floating_point() else t, recurse=False)
+    return model
+
+
 def is_quantized(model: nn.Module) -> bool:
     return any(isinstance(m, QuantLinear) for m in model.modules())
 

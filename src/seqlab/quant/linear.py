@@ -55,7 +55,7 @@ class QuantLinear(nn.Module):
     def from_weight(cls, weight: Tensor, scheme: Scheme, bias: Tensor | None = None,
                     name: str = "layer") -> QuantLinear:
         scheme.check(weight.shape[1], name)
-        return cls.from_parts(quantize_weight(weight, scheme), scheme, bias, name)
+        return cls.from_parts(quantize_weight(weight, scheme, name), scheme, bias, name)
 
     def dequantize(self, rows: slice | None = None) -> Tensor:
         return dequantize_weight(self.qweight, self.scales, self.mins, self.bits, self.group_size, rows)

@@ -35,13 +35,14 @@ class Scheme:
         if self.group_size not in allowed:
             raise ValueError(f"{layer}: unsupported group size {self.group_size} for int{self.bits} "
                              f"(supported: {', '.join(map(str, allowed))}{'; 0 = per channel' if self.bits == 8 else ''})")
+        if in_features % 8:  # the kernels read a row 8 values at a time
+            raise ValueError(f"{layer}: int{self.bits} needs in_features to be a multiple of 8, got {in_features}")
         group = self.group_size or in_features
-        if in_features % group or (self.bits == 4 and in_features % SUB_BLOCK) or in_features % 8:
+        if in_features % group or (self.bits == 4 and in_features % SUB_BLOCK):
             fits = [g for g in allowed if g and g < group and in_features % g == 0
                     and (self.bits == 8 or in_features % SUB_BLOCK == 0)]
             raise ValueError(f"{layer}: group size {group} does not divide in_features={in_features}"
-                             + (" (int8 rows must also be a multiple of 8)" if self.bits == 8 else "")
-                             + (f"; a group size that divides it: {fits[-1]}" if fits and in_features % 8 == 0 else ""))
+                             + (f"; a group size that divides it: {fits[-1]}" if fits else ""))
 
     def groups(self, in_features: int) -> int:
         return in_features // (self.group_size or in_features)
@@ -61,12 +62,15 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return torch.cat([b & 0x0F, b >> 4], dim=2).reshape(n, half * 2)
 
 
-def quantize_weight(w: Tensor, scheme: Scheme) -> dict[str, Tensor]:
+def quantize_weight(w: Tensor, scheme: Scheme, name: str = "weight") -> dict[str, Tensor]:
     """fp weight ``[N, K]`` -> ``{"qweight", "scales"[, "mins"]}`` (fp32 scales, one per row and group).
 
-    Round to nearest: every element is off by at most half its group's step (``scale / 2``).
+    Round to nearest: every element is off by at most half its group's step (``scale / 2``). A NaN or inf, or a
+    group whose range overflows fp32, is refused naming ``name``: it would make its whole group NaN.
     """
     w = w.detach().float()
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError(f"{name}: the weight holds NaN or inf; there is nothing to quantise it to")
     n, k = w.shape
     g = scheme.group_size or k
     wg = w.reshape(n, k // g, g)
@@ -77,6 +81,8 @@ def quantize_weight(w: Tensor, scheme: Scheme) -> dict[str, Tensor]:
         return {"qweight": q.contiguous(), "scales": scales.contiguous()}
     lo, hi = wg.amin(dim=2), wg.amax(dim=2)
     scales = (hi - lo) / 15.0
+    if not bool(torch.isfinite(scales).all()):
+        raise ValueError(f"{name}: a group's range (max - min) overflows fp32; int4 cannot hold it")
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     q = torch.round((wg - lo[..., None]) / safe[..., None]).clamp_(0, 15).reshape(n, k)
     return {"qweight": pack_int4(q).contiguous(), "scales": scales.contiguous(), "mins": lo.contiguous()}
