@@ -17,6 +17,7 @@ from gen_helpers import (
 from scipy import stats
 
 from seqlab.generate import GenerationConfig, generate, generate_output, stream
+from tests.sp_tokenizer import sentencepiece_words
 
 
 def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -332,26 +333,12 @@ def test_streamed_text_is_the_final_text_and_beam_streams_its_text():
     assert chunk.texts[0] == tok.decode(beams.output.sequences[0, ids.shape[1]:].tolist())
 
 
-def _sentencepiece_words():
-    """A word-level tokenizer with SentencePiece's Metaspace pre-tokenizer and decoder (Llama 2, Mistral)."""
-    from tokenizers import Tokenizer as Backend, decoders, models, pre_tokenizers
-
-    from seqlab.data.tokenizer import Tokenizer
-
-    words = ["<unk>", "</s>", "▁To", "▁be", "▁or", "▁not", "▁to", "."]
-    backend = Backend(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace()
-    backend.decoder = decoders.Metaspace()
-    backend.add_special_tokens(["</s>"])
-    return Tokenizer.from_backend(backend, eos="</s>")
-
-
 def test_a_continuation_reads_on_from_its_prompt():
     """Decoded alone, the first new word lost its space under a SentencePiece decoder: "To be" + "▁be" printed
     "To bebe" (the CLI and streamed text), where HF's tokenizer reads the whole sequence as "To be be"."""
     from seqlab.generate.text import TextTracker, read_on
 
-    tok = _sentencepiece_words()
+    tok = sentencepiece_words()
     prompt, new = tok.encode("To be"), tok.encode("be or not")
     assert tok.decode(prompt + new) == "To be be or not"
     assert "To be" + read_on(tok, prompt[-1:], new) == tok.decode(prompt + new)
@@ -364,7 +351,7 @@ def test_a_stop_string_spelled_as_a_special_token_stops():
     special tokens skipped, so ``stop=["</s>"]`` never stopped."""
     from seqlab.generate.text import TextTracker
 
-    tok = _sentencepiece_words()
+    tok = sentencepiece_words()
     tracker = TextTracker(tok, 1, ["</s>"], context=[tok.encode("To")])
     assert tracker.push(0, tok.encode("be or")) == (" be or", False)
     assert tracker.push(0, [tok.eos_id]) == ("", True)

@@ -82,7 +82,8 @@ def test_chat_completion_is_the_greedy_reply(server, reference):
 def test_streaming_pieces_add_up_to_the_reply(server, reference):
     url, _ = server
     stream = client(url).chat.completions.create(model=MODEL_ID, messages=HELLO, max_tokens=12, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True})
+                                                 stream=True, stream_options={"include_usage": True,
+                                                                              "include_obfuscation": False})
     chunks = list(stream)
     pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
@@ -131,6 +132,7 @@ def test_seeded_sampling_repeats(server):
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # only with stream: true, as in OpenAI's API
     ({"stream": True, "stream_options": {"include_usage": True, "continuous": True}}, "stream_options.continuous"),
+    ({"stream": True, "stream_options": {"include_obfuscation": "no"}}, "stream_options.include_obfuscation"),
     ({"functions": [{"name": "f", "parameters": {}}], "function_call": "auto"}, "functions"),
     ({"max_tokens": 2048}, "messages"),  # prompt + max_tokens past the context of 2048
 ])

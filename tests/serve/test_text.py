@@ -60,3 +60,14 @@ def test_the_reply_is_cut_at_the_earliest_stop_whatever_their_order():
         r = ReplyText(Pieces(), stop, strip=False)
         sent = r.push(0) + r.push(1) + r.push(2)
         assert r.stopped and r.text == sent == "1. ", stop
+
+
+def test_a_completion_reads_on_from_its_prompt():
+    """A completion's text came from its new tokens alone, so a SentencePiece decoder dropped the space before its
+    first word: "To be" + "▁or ▁not" came back as "or not" (vLLM, and `seqlab generate`, give " or not")."""
+    from tests.sp_tokenizer import sentencepiece_words
+
+    tok = sentencepiece_words()
+    prompt = tok.encode("To be")
+    r = ReplyText(tok, [], strip=False, context=prompt[-1:])
+    assert "".join(r.push(t) for t in tok.encode("or not")) + r.finish() == " or not"

@@ -157,8 +157,12 @@ def _common(body: Any, text_field: str) -> GenerationRequest:
             raise bad("stream_options", "must be an object")
         if body.get("stream") is not True:
             raise bad("stream_options", "applies to streamed replies only: set stream to true, or drop it")
-        for key in sorted(set(options) - {"include_usage"}):
-            raise bad(f"stream_options.{key}", "is not supported (the one option read is include_usage)")
+        obfuscation = options.get("include_obfuscation")  # padding against length side channels: none is added
+        if obfuscation is not None and not isinstance(obfuscation, bool):
+            raise bad("stream_options.include_obfuscation", "must be a boolean")
+        for key in sorted(set(options) - {"include_usage", "include_obfuscation"}):
+            raise bad(f"stream_options.{key}", "is not supported (read: include_usage; include_obfuscation has "
+                                               "no effect)")
     options = options or {}
     max_tokens = _int(body, "max_completion_tokens", 1)
     max_tokens = _int(body, "max_tokens", 1) if max_tokens is None else max_tokens

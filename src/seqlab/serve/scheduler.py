@@ -74,7 +74,7 @@ class Request:
             else:
                 self.generator.manual_seed(int(seed))
         self.stop_ids = set(stop_ids)
-        self.reply = ReplyText(tokenizer, list(stop), strip)
+        self.reply = ReplyText(tokenizer, list(stop), strip, context=[] if strip else self.prompt_ids[-1:])
         self.generated: list[int] = []
         self.next_token: int | None = None
         self.cancelled = False

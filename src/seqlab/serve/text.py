@@ -9,10 +9,15 @@ equal the final text.
 
 from __future__ import annotations
 
+from seqlab.generate.text import read_on
+
 
 class ReplyText:
-    def __init__(self, tokenizer, stop: list[str], strip: bool):
+    def __init__(self, tokenizer, stop: list[str], strip: bool, context: list[int] = ()):
+        """``context``: a completion's last prompt token, which its text reads on from (a SentencePiece decoder
+        drops the space of a text's first word: "To be" + "▁tis" came back as "tis", where vLLM says " tis")."""
         self.tokenizer, self.stop, self.strip = tokenizer, stop, strip
+        self.context = list(context)
         self.ids: list[int] = []
         self.sent = 0  # characters of the visible text already handed out
         self.text = ""  # the visible text so far (cut at a stop string, left-stripped for chat)
@@ -21,7 +26,7 @@ class ReplyText:
     def push(self, token: int) -> str:
         """Add one generated token; return the piece that may be sent now (sets ``stopped`` on a stop string)."""
         self.ids.append(token)
-        raw = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        raw = read_on(self.tokenizer, self.context, self.ids)
         cuts = [i for i in (raw.find(s) for s in self.stop) if i >= 0]
         if cuts:  # at the earliest match: cutting at each in list order could keep the start of an earlier one
             raw, self.stopped = raw[: min(cuts)], True
