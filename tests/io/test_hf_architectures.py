@@ -192,3 +192,18 @@ def test_a_sharded_folder_loads_and_a_bad_index_is_named(tmp_path):
         index.write_text(bad)
         with pytest.raises(CheckpointError, match=rf"model\.safetensors\.index\.json.*{message}"):
             load_hf(tmp_path)
+
+
+def test_an_eos_outside_the_vocabulary_leaves_the_usable_ones(tmp_path):
+    """config.json's EOS 500 (a toy config's leftover) beside generation_config.json's 5: HF stops at 5, and seqlab
+    kept neither. A config list whose first id is out of range lost the others the same way."""
+    from seqlab.generate.config import GenerationConfig
+
+    hf = _randomised(transformers.LlamaForCausalLM, transformers.LlamaConfig(**SMALL))
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for own, generation, expected in ((500, 5, [5]), ([500, 7, 9], None, [7, 9]), (None, [3, 400, 4], [3, 4])):
+        (tmp_path / "config.json").write_text(json.dumps({**config, "eos_token_id": own}))
+        (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation}))
+        cfg = load_hf(tmp_path).config
+        assert GenerationConfig().eos_ids(cfg) == expected and cfg.eos_token_id == expected[0]

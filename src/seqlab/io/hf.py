@@ -318,7 +318,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
     listed = eos_list(hf)
     hf = dict(hf)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
-        value = int_or_none(hf.get(key))
+        value = hf.get(key)
+        if isinstance(value, list):  # several ids: the first one inside the vocabulary is the canonical one
+            value = next((v for v in value if isinstance(v, int) and 0 <= v < hf.get("vocab_size", 0)), None)
+        value = int_or_none(value)
         # toy configs often keep GPT-2's 50256 with a smaller vocabulary; such an id cannot be used, so drop it
         hf[key] = value if isinstance(value, int) and 0 <= value < hf.get("vocab_size", 0) else None
     try:

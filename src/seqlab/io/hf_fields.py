@@ -39,11 +39,13 @@ def with_generation_eos(hf: dict, generation: dict) -> dict:
     only there (Llama 3 Instruct: ``config.json`` says 128001, ``generation_config.json`` adds 128009), so a
     reply would otherwise run on past its turn. The config's own id stays first: it is the one training appends.
     """
-    extra = generation.get("eos_token_id")
-    extra = extra if isinstance(extra, list) else [extra]
-    own = hf.get("eos_token_id")
-    own = own if isinstance(own, list) else ([] if own is None else [own])
-    ids = own + [e for e in extra if isinstance(e, int) and not isinstance(e, bool) and e not in own]
+    def usable(value: object) -> list[int]:  # (toy configs keep GPT-2's 50256 with a smaller vocabulary)
+        listed = value if isinstance(value, list) else [value]
+        vocab = hf.get("vocab_size", 0)
+        return [e for e in listed if isinstance(e, int) and not isinstance(e, bool) and 0 <= e < vocab]
+
+    own = usable(hf.get("eos_token_id"))
+    ids = own + [e for e in usable(generation.get("eos_token_id")) if e not in own]
     return {**hf, "eos_token_id": ids} if len(ids) > len(own) else hf
 
 
