@@ -269,3 +269,12 @@ def test_ctrl_c_during_bpe_training_is_not_lost(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt, match="SIGINT during the tokenizer's training"):
         train_bpe(["hello world " * 20, "the cat sat " * 20], 300, cache_dir=tmp_path)
     assert not list(tmp_path.glob("bpe-*.json"))
+
+
+def test_a_bpe_mask_takes_the_space_before_it(small_corpus):
+    """A masked word's token carries its own space ("Ġbe"), so fill-mask text "to <mask>," must not leave a lone
+    "Ġ" before the mask, an input MLM training never shows; <mask> takes it, as RoBERTa's does (lstrip)."""
+    tok = train_bpe(small_corpus, 300, show_progress=False)
+    ids = tok.encode("not to <mask>, that")
+    assert ids[ids.index(tok.mask_id) - 1] == tok.encode("not to")[-1]
+    assert tok.encode("<mask>") == [tok.mask_id]

@@ -79,6 +79,14 @@ def test_resume_refuses_a_tokenizer_that_disagrees_with_the_config(tmp_path, cap
     assert main(["train", "--out", str(run), "--resume", "--tokenizer", "bpe:300", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "tokenizer.json: built for --tokenizer byte" in err and "bpe:300" in err
+    # another objective brings another default tokenizer (clm: bpe:2048, seq2seq: byte): the message blamed the
+    # tokenizer, which the user never gave, instead of the objective
+    run = tmp_path / "D"
+    default = [a for a in TINY if a not in ("--tokenizer", "byte")]
+    assert main(["train", *default, "--max-steps", "1", "--out", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume", "--objective", "seq2seq", "--no-progress"]) == 2
+    assert "cannot resume, the run configuration changed (objective: 'clm' -> 'seq2seq')" in capsys.readouterr().err
 
 
 def test_leftovers_of_killed_saves_are_removed_at_start(tmp_path):
@@ -191,3 +199,20 @@ def test_a_bpe_tokenizer_learns_from_the_training_split_only(tmp_path):
     _, val = build_datasets(cfg, tok)
     assert any("quokka" in tok.decode(val[i]) for i in range(len(val)))
     assert len(tok.encode(" quokka")) > 3 and not any("quok" in piece for piece in tok.backend.get_vocab())
+
+
+@pytest.mark.parametrize("objective, row", [
+    ("seq2seq", lambda w: {"source": f"{w} {w}", "target": w[::-1]}),
+    ("sft", lambda w: {"messages": [{"role": "user", "content": w}, {"role": "assistant", "content": f"{w}!"}]}),
+    ("dpo", lambda w: {"prompt": w, "chosen": f"{w}.", "rejected": w[::-1]}),
+])
+def test_a_bpe_tokenizer_of_a_pairs_file_learns_from_its_texts(tmp_path, objective, row):
+    """``--tokenizer bpe:N`` with a seq2seq/sft/dpo ``--data`` file learned from the built-in Shakespeare instead,
+    so the file's own words stayed byte by byte (日本 as 6 tokens); it learns from the training split's texts."""
+    lines = [row("日本語テキスト") for _ in range(19)] + [row("zyzzyvaquokka")]  # the last line: validation
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in lines))
+    cfg = TrainConfig(objective=objective, data=str(tmp_path / "d.jsonl"), tokenizer="bpe:300",
+                      out_dir=str(tmp_path / "run"))
+    tok = build_tokenizer_for(cfg, cache_dir=tmp_path)
+    assert len(tok.encode("日本語テキスト")) <= 2
+    assert not any("quok" in piece for piece in tok.backend.get_vocab())

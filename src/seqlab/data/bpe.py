@@ -15,13 +15,13 @@ from typing import Iterator, Sequence
 
 import tokenizers
 from tokenizers import Tokenizer as Backend
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
 
 from seqlab.data.tokenizer import BOS, EOS, MASK, PAD, SPECIAL_TOKENS, Tokenizer
 from seqlab.runtime import progress
 from seqlab.runtime.signals import GracefulStop
 
-TOKENIZER_FORMAT_VERSION = 1  # bump when the BPE recipe changes, so cached files are not reused across recipes
+TOKENIZER_FORMAT_VERSION = 2  # bump when the BPE recipe changes, so cached files are not reused across recipes
 
 
 def bpe_cache_key(texts: Sequence[str], vocab_size: int, specials: Sequence[str] = SPECIAL_TOKENS) -> str:
@@ -59,8 +59,11 @@ def train_bpe(texts: Sequence[str], vocab_size: int = 4096, cache_dir: str | os.
     backend = Backend(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
+    # <mask> takes the space before it (lstrip, as RoBERTa's): a masked word's token carries its own space ("Ġbe"),
+    # so "to <mask>," must read as "to" + <mask> + ",", not with a lone "Ġ" that training never showed
+    added = [AddedToken(s, special=True, normalized=False, lstrip=s == MASK) for s in specials]
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=list(specials), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size, special_tokens=added, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         min_frequency=2, show_progress=False,
     )
     # The trainer swallows a KeyboardInterrupt raised in the iterator it reads and trains on what it had: Ctrl-C was

@@ -110,6 +110,22 @@ def split_documents(path: str | os.PathLike | None, split: str) -> list[str]:
     return split_items(docs, split, path)
 
 
+def example_texts(objective: str, path: str | os.PathLike, split: str) -> list[str]:
+    """The texts of ``split`` of a seq2seq / sft / dpo file (sources and targets, message contents, prompts and
+    responses): what a BPE tokenizer for such a run learns from, as a clm run's learns from its documents."""
+    if objective == "seq2seq":
+        return [t for ex in split_items(readers.read_seq2seq(path), split, path) for t in (ex["source"], ex["target"])]
+    if objective == "sft":
+        return [m["content"] for ex in split_items(readers.read_sft(path), split, path) for m in ex["messages"]
+                if m.get("content")]
+    texts = []
+    for ex in split_items(readers.read_preferences(path), split, path):
+        prompt = ex["prompt"]
+        texts += [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt if m.get("content")]
+        texts += [ex["chosen"], ex["rejected"]]
+    return texts
+
+
 def token_stream(docs: Sequence[str], tokenizer: Any, bos: bool = False) -> torch.Tensor:
     """Documents encoded and joined into one long tensor, each followed by EOS and, with ``bos``, preceded by BOS.
 

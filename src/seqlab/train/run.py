@@ -18,7 +18,7 @@ from safetensors.torch import load_model, save_model
 import seqlab.train.checkpoint as ckpt
 from seqlab.config import ModelConfig
 from seqlab.data import build_dataset, build_tokenizer, load_tokenizer
-from seqlab.data.datasets import split_documents
+from seqlab.data.datasets import example_texts, split_documents
 from seqlab.model import build_model
 from seqlab.objectives import build_objective, objective_class
 from seqlab.runtime.errors import CheckpointError
@@ -56,7 +56,7 @@ class Run:
 def build_tokenizer_for(cfg: TrainConfig, cache_dir: str | Path | None = None, resume: bool = False):
     """The run's tokenizer. A resumed run reuses the one saved in ``out_dir`` (it must, exactly), after checking
     that the saved run asked for the same tokenizer; a new run builds it from ``cfg.tokenizer``, BPE trained on the
-    run's own text when ``--data`` is natural text."""
+    training split of ``--data`` where there is one (a seq2seq/sft/dpo file's example texts)."""
     out = Path(cfg.out_dir)
     saved = out / "tokenizer.json"
     spec = cfg.tokenizer or default_tokenizer(cfg.objective)
@@ -64,14 +64,18 @@ def build_tokenizer_for(cfg: TrainConfig, cache_dir: str | Path | None = None, r
         recorded = spec
         if (out / "config.json").is_file():
             run = read_run_config(out)
+            if run.get("objective", cfg.objective) != cfg.objective:  # named first: it also changes the tokenizer
+                raise ValueError(f"{out / 'config.json'}: cannot resume, the run configuration changed (objective: "
+                                 f"{run.get('objective')!r} -> {cfg.objective!r})")
             recorded = run.get("tokenizer") or default_tokenizer(run.get("objective", cfg.objective))
         if not same_setting("tokenizer", recorded, spec):
             raise ValueError(f"{saved}: built for --tokenizer {recorded}, but this run asks for --tokenizer {spec}; "
                              "a resumed run must keep its tokenizer")
         return load_tokenizer(saved)
     train_texts = None
-    if spec.startswith("bpe") and cfg.data is not None and objective_class(cfg.objective).natural_text:
-        train_texts = split_documents(cfg.data, "train")  # not the held-out validation text
+    if spec.startswith("bpe") and cfg.data is not None:  # the training split, not the held-out validation text
+        train_texts = (split_documents(cfg.data, "train") if objective_class(cfg.objective).natural_text
+                       else example_texts(cfg.objective, cfg.data, "train"))
     return build_tokenizer(spec, train_texts=train_texts, cache_dir=cache_dir or cfg.out_dir)
 
 
