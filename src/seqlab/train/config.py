@@ -50,7 +50,7 @@ class TrainConfig:
     document_bos: bool = True  # clm: BOS before each document of the stream (False: runs recorded before it was)
 
     # data / batching
-    seq_len: int | None = None  # None: the objective's ``default_seq_len`` (128; sft 256, where every built-in chat fits)
+    seq_len: int | None = None  # None: the objective's ``default_seq_len`` (128; sft 256: every built-in chat fits)
     batch_size: int = 16  # micro-batch per rank
     grad_accum: int = 1  # micro-batches per rank per optimizer step
 
