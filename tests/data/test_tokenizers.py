@@ -278,3 +278,29 @@ def test_a_bpe_mask_takes_the_space_before_it(small_corpus):
     ids = tok.encode("not to <mask>, that")
     assert ids[ids.index(tok.mask_id) - 1] == tok.encode("not to")[-1]
     assert tok.encode("<mask>") == [tok.mask_id]
+
+
+def test_a_chat_template_saved_as_a_jinja_file_is_read(tmp_path):
+    """transformers 5 writes the template to chat_template.jinja, not into tokenizer_config.json, and reads that
+    file first; seqlab read only the config, so a ChatML folder got the built-in template (no default system turn)
+    and any other folder had "no chat template"."""
+    transformers = pytest.importorskip("transformers")
+    template = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are Qwen.<|im_end|>\n{% endif %}"
+                "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=ByteTokenizer().backend, eos_token="<|im_end|>")
+    hf.chat_template = template
+    hf.save_pretrained(tmp_path)
+    jinja = tmp_path / "chat_template.jinja"
+    if not jinja.is_file():  # an older transformers keeps it in the config: write the file as version 5 does
+        config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+        jinja.write_text(config.pop("chat_template"))
+        (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_pretrained(tmp_path)
+    assert tok.chat_template == template and tok.template_source == str(jinja)
+    messages = [{"role": "user", "content": "Hello"}]
+    ours = tok.apply_chat_template(messages, add_generation_prompt=True)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path).apply_chat_template(messages,
+                                                                                      add_generation_prompt=True)
+    assert tok.decode(ours, skip_special_tokens=False).startswith("<|im_start|>system\nYou are Qwen.")
+    assert ours == list(theirs if isinstance(theirs, list) else theirs["input_ids"])

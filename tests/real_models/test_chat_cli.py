@@ -96,3 +96,24 @@ def test_info_reads_a_gguf_file(tiny_path, capsys):
     out = capsys.readouterr().out
     assert '"arch": "decoder"' in out and "parameters: " in out
     assert "accel for decode (1 row/product)" in out
+
+
+def test_a_message_the_template_refuses_is_reported_and_the_session_goes_on(tiny_path, monkeypatch, capsys):
+    """A ChatTemplateError (a template's raise_exception) ended the whole interactive session with exit 2, leaving
+    "assistant> " without a newline; it is now reported like a message too long, and the conversation is kept."""
+    from seqlab.data.chat_template import ChatTemplateError
+
+    lines = iter(["hello", "forbidden", "there", "/exit"])
+    monkeypatch.setattr(builtins, "input", lambda prompt="": next(lines))
+    original = Tokenizer.apply_chat_template
+
+    def picky(self, messages, *args, **kwargs):
+        if any(m["content"] == "forbidden" for m in messages):
+            raise ChatTemplateError("the template refuses this conversation")
+        return original(self, messages, *args, **kwargs)
+
+    monkeypatch.setattr(Tokenizer, "apply_chat_template", picky)
+    assert main(["chat", "--gguf", str(tiny_path), "--temperature", "0", "--max-new-tokens", "4"]) == 0
+    captured = capsys.readouterr()
+    assert "the template refuses this conversation (not sent; the conversation so far is kept)" in captured.err
+    assert captured.out.count("assistant> ") == 3 and captured.out.endswith("\n")

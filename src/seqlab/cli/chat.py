@@ -26,6 +26,7 @@ from seqlab.cli.generate import add_decode_speed_options
 from seqlab.cli.model_args import add_model_source, load_model
 from seqlab.cli.packaged import SMOLLM2_PACKAGE, missing_package, packaged_smollm2
 from seqlab.data import Tokenizer
+from seqlab.data.chat_template import ChatTemplateError
 from seqlab.generate import stream
 from seqlab.generate.chat import turn_end_ids
 from seqlab.runtime.memory import keep_freed_blocks
@@ -106,7 +107,7 @@ class ChatSession:
         self.messages.append({"role": "user", "content": user_text})
         try:
             prompt = self._prompt_ids()
-        except MessageTooLong:
+        except (MessageTooLong, ChatTemplateError):  # the conversation stays as it was
             self.messages.pop()
             raise
         ids = torch.tensor([prompt], dtype=torch.long, device=next(self.model.parameters()).device)
@@ -218,8 +219,8 @@ def _interactive(session: ChatSession, path: Path) -> int:
 
         try:
             session.reply(text, on_text=show)
-        except MessageTooLong as e:  # one message too long for the context: say so, keep the session going
-            sys.stdout.write("\n")
+        except (MessageTooLong, ChatTemplateError) as e:  # a message too long, or one the template refuses (a role
+            sys.stdout.write("\n")                         # it does not take): say so, keep the session going
             print(f"error: {e} (not sent; the conversation so far is kept)", file=err)
             continue
         sys.stdout.write("\n")

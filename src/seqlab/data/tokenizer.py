@@ -138,7 +138,8 @@ class Tokenizer:
     @classmethod
     def from_file(cls, path: str | os.PathLike, **overrides: Any) -> "Tokenizer":
         """Load ``tokenizer.json`` (or a folder holding it); ``tokenizer_config.json`` beside it names the specials,
-        the chat template and the BOS/EOS rule, as in Hugging Face folders."""
+        the chat template and the BOS/EOS rule, as in Hugging Face folders (a ``chat_template.jinja`` beside it
+        holds the template, first, as transformers reads it)."""
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
@@ -150,6 +151,13 @@ class Tokenizer:
             raise TokenizerError(f"{path}: not a valid tokenizer.json: {e}") from e
         config = path.with_name("tokenizer_config.json")
         kw = read_tokenizer_config(config) if path.name == "tokenizer.json" else {}
+        # transformers 5 saves the template as chat_template.jinja (and not in the config), and reads it first
+        jinja = path.with_name("chat_template.jinja")
+        if path.name == "tokenizer.json" and jinja.is_file():
+            try:
+                kw["chat_template"], config = jinja.read_text(encoding="utf-8"), jinja
+            except (OSError, UnicodeDecodeError) as e:
+                raise TokenizerError(f"{jinja}: unreadable chat template ({e})") from None
         from_config = "chat_template" in kw
         kw.update({k: v for k, v in overrides.items() if v is not None})
         tok = cls.from_backend(backend, name=str(path), **kw)
