@@ -69,7 +69,8 @@ TRAIN_CASES: list[Case] = [
     Case("train-context-below-seq-len", ["train", *_TINY, "--model", "max_seq_len=16", "--out", "{tmp}/r"], "--model max_seq_len=16 is shorter than --seq-len 32"),
     Case("train-resume-truncated-config", ["train", "--out", "{tmp}/cut", "--resume", "--no-progress"],
          "cut/config.json: line 1: not valid JSON", files={"cut/config.json": '{"train": {"objective": "clm", "seq_len":'}),
-    Case("demo-time-zero", ["demo", "--time", "0", "--out", "{tmp}/demo"], "--time must be positive"),
+    Case("demo-time-zero", ["demo", "--time", "0", "--out", "{tmp}/demo"], "--time must be a positive finite number"),
+    Case("demo-time-inf", ["demo", "--time", "inf", "--out", "{tmp}/demo"], "--time must be a positive finite number"),
 ]
 
 EVAL_CASES: list[Case] = [
@@ -114,6 +115,7 @@ CHAT_CASES: list[Case] = [
     Case("chat-bad-gguf", ["chat", "--gguf", "{tmp}/x.gguf", "--message", "hi"], "not a GGUF file", files={"x.gguf": "this is not a gguf file, just some words in it"}),
     Case("chat-gguf-is-a-folder", ["chat", "--gguf", "{run}", "--message", "hi"], "a folder, not a GGUF file"),
     Case("embed-zero-max-length", ["embed", "hello", "--max-length", "0"], "--max-length must be >= 2"),
+    Case("embed-max-length-past-context", ["embed", "hello", "--max-length", "600"], "--max-length 600 exceeds the model's context (512"),
 ]
 
 NNQS_CASES: list[Case] = [
@@ -128,6 +130,7 @@ NNQS_CASES: list[Case] = [
          "--samples-final must be >= --samples (10000): the ramp grows, got 1000"),
     Case("nnqs-lbfgs-sampled", ["nnqs", "--molecule", "h2", "--estimator", "sampled", "--lbfgs-steps", "5", "--out", "{tmp}/o"],
          "--lbfgs-steps needs a summed energy"),
+    Case("nnqs-heads-not-dividing", ["nnqs", "--molecule", "h2", "--heads", "3", "--out", "{tmp}/o"], "--heads 3 must divide --d-model 64"),
     Case("nnqs-exact-tail-1", ["nnqs", "--molecule", "h2", "--exact-tail", "1", "--out", "{tmp}/o"], "--exact-tail must be in [0, 1)"),
     Case("nnqs-exact-max-0", ["nnqs", "--molecule", "h2", "--exact-max-configs", "0", "--out", "{tmp}/o"], "--exact-max-configs must be >= 1"),
     Case("nnqs-min-lr-ratio-0", ["nnqs", "--molecule", "h2", "--min-lr-ratio", "0", "--out", "{tmp}/o"], "--min-lr-ratio must be in (0, 1]"),
@@ -180,7 +183,9 @@ EXPORT_CASES: list[Case] = [
 
 QUANT_CASES: list[Case] = [
     Case("quantize-bits-3", ["quantize", "--checkpoint", "{run}/checkpoints/step_00000002", "--bits", "3", "--out", "{tmp}/q"], "--bits 3"),
-    Case("quantize-group-48", ["quantize", "--checkpoint", "{run}/checkpoints/step_00000002", "--bits", "4", "--group-size", "48", "--out", "{tmp}/q"], "unsupported group size 48"),
+    Case("quantize-group-48", ["quantize", "--checkpoint", "{run}/checkpoints/step_00000002", "--bits", "4", "--group-size", "48", "--out", "{tmp}/q"], "--group-size 48: int4 takes 32, 64, 128"),
+    Case("quantize-out-under-a-file", ["quantize", "--checkpoint", "{run}", "--bits", "8", "--out", "{tmp}/f/q"], "f/q: lies under", files={"f": "x"}),
+    Case("export-hf-out-under-a-file", ["export", "{run}", "--format", "hf", "--out", "{tmp}/f/hf"], "f/hf: lies under", files={"f": "x"}),
     Case("quantize-group-not-dividing", ["quantize", "--checkpoint", "{run}/checkpoints/step_00000002", "--bits", "4", "--group-size", "64", "--out", "{tmp}/q"], "attn.qkv: group size 64 does not divide in_features=32; a group size that divides it: 32; --group-size 32 fits every layer"),
     Case("quantize-no-checkpoint", ["quantize", "--checkpoint", "{tmp}/nope", "--bits", "8", "--out", "{tmp}/q"], "nope"),
     Case("quantize-out-not-empty", ["quantize", "--checkpoint", "{run}/checkpoints/step_00000002", "--bits", "8", "--out", "{tmp}/full"], "the folder is not empty", files={"full/keep.txt": "mine"}),
@@ -195,6 +200,7 @@ QUANT_CASES: list[Case] = [
 ]
 
 SERVE_CASES: list[Case] = [
+    Case("serve-shutdown-timeout-nan", ["serve", "--gguf", "{tmp}/nope.gguf", "--shutdown-timeout", "nan"], "--shutdown-timeout must be >= 0, got nan"),
     Case("serve-missing-gguf", ["serve", "--gguf", "{tmp}/nope.gguf", "--port", "0"], "nope.gguf: no such file"),
     Case("serve-missing-checkpoint", ["serve", "--checkpoint", "{tmp}/nope", "--port", "0"], "nope: no such file or directory"),
     Case("serve-not-a-gguf", ["serve", "--gguf", "{tmp}/bad.gguf", "--port", "0"], "bad.gguf", files={"bad.gguf": "not a gguf file"}),

@@ -165,3 +165,11 @@ def test_a_ccsd_t_failure_is_named_as_such_and_keeps_the_ccsd_energy():
     assert abs(refs.e_ccsd - refs.e_fci) < 1e-9 and abs(refs.e_ccsd - refs.e_hf) < 1e-9
     failed = [n for n in refs.notes if "failed" in n]
     assert len(failed) == 1 and failed[0].startswith("CCSD(T) failed: "), refs.notes
+
+
+def test_an_xyz_file_with_a_bom_and_crlf_reads_as_without(tmp_path):
+    """An editor's UTF-8 byte-order mark made the atom count '\\ufeff2' ("expected the number of atoms")."""
+    plain, marked = tmp_path / "plain.xyz", tmp_path / "marked.xyz"
+    plain.write_bytes(b"2\nh2\nH 0 0 0\nH 0 0 0.74\n")
+    marked.write_bytes(b"\xef\xbb\xbf2\r\nh2\r\nH 0 0 0\r\nH 0 0 0.74\r\n")
+    assert read_xyz(marked) == read_xyz(plain)

@@ -76,6 +76,9 @@ def run_embed(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     model, tokenizer, max_length = load_embedder(args.model)
+    if args.max_length is not None and args.max_length > model.config.max_seq_len:
+        raise ValueError(f"--max-length {args.max_length} exceeds the model's context ({model.config.max_seq_len} "
+                         "positions)")
     emb = sentence_embeddings(model, tokenizer, texts, max_length=max_length if args.max_length is None else args.max_length,
                               batch_size=args.batch_size, show_progress=not args.no_progress)
     if args.cosine:

@@ -21,7 +21,7 @@ from seqlab.io.checkpoint import FORMAT, load_pretrained, read_config_json, reso
 from seqlab.io.export_gguf import WEIGHT_TYPES, check_exportable as check_gguf, export_gguf
 from seqlab.io.export_hf import bare_encoder, export_hf, hf_family
 from seqlab.io.hf import config_from_hf
-from seqlab.runtime.files import check_writable_file
+from seqlab.runtime.files import check_not_under_a_file, check_writable_file
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     check_exportable(model_dir, args.format)
     if args.format == "hf" and Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out}: is a file; --format hf writes a folder")
+    check_not_under_a_file(args.out, "--out")
     if args.format == "hf" and Path(args.out).is_dir() and any(Path(args.out).iterdir()):
         raise ValueError(f"--out {args.out}: the folder is not empty (stale files would be read with the export); "
                          "choose a new one")

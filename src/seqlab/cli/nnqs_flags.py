@@ -107,6 +107,8 @@ def check_flags(args: argparse.Namespace) -> int | None:
                              ("--phase-hidden", args.phase_hidden, 1), ("--phase-layers", args.phase_layers, 1)):
         if value is not None and not value >= low:  # `not >=` also catches NaN
             raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if args.d_model is not None and args.heads is not None and args.d_model % args.heads:  # before the chemistry
+        raise ValueError(f"--heads {args.heads} must divide --d-model {args.d_model} (each head takes an equal share)")
     for flag, value, ok, want in (("--lr", args.lr, lambda v: v > 0, "> 0"),
                                   ("--min-lr-ratio", args.min_lr_ratio, lambda v: 0 < v <= 1, "in (0, 1]"),
                                   ("--phase-lr-scale", args.phase_lr_scale, lambda v: v > 0, "> 0"),

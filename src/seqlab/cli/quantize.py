@@ -15,6 +15,8 @@ from seqlab.io.gguf import GGUF_INT4_GROUP_SIZE
 from seqlab.quant import quantize
 from seqlab.quant.checkpoint import save_quantized
 from seqlab.quant.convert import describe_layout
+from seqlab.quant.schemes import INT4_GROUP_SIZES, INT8_GROUP_SIZES
+from seqlab.runtime.files import check_not_under_a_file
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="write an int8/int4 weight-only copy of a model",
@@ -36,7 +38,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.bits not in (4, 8):
         raise ValueError(f"--bits {args.bits}: unsupported bit width (supported: 8, 4)")
-    out = Path(args.out)
+    allowed = INT4_GROUP_SIZES if args.bits == 4 else INT8_GROUP_SIZES
+    if args.group_size is not None and args.group_size not in allowed:  # before the model is loaded
+        raise ValueError(f"--group-size {args.group_size}: int{args.bits} takes {', '.join(map(str, allowed))}"
+                         + (" (0 = one scale per output channel)" if args.bits == 8 else ""))
+    out = check_not_under_a_file(args.out, "--out")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: exists and is not a folder")
     if out.is_dir() and any(out.iterdir()):

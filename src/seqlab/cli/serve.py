@@ -60,7 +60,7 @@ def _check_args(args) -> None:
     for flag in ("max_batch", "max_queue", "context", "prefill_chunk", "accel_rows"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    if args.shutdown_timeout < 0:
+    if not args.shutdown_timeout >= 0:  # (`nan < 0` is False)
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
 
 

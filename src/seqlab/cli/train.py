@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import sys
@@ -301,8 +302,8 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def run_demo(args: argparse.Namespace) -> int:
     # named by the flag, before the corpus and tokenizer take their seconds (--samples 0: bits per byte only)
-    if not args.time > 0:
-        raise ValueError(f"--time must be positive, got {args.time}")
+    if not (args.time > 0 and math.isfinite(args.time)):
+        raise ValueError(f"--time must be a positive finite number of seconds, got {args.time}")
     if args.samples < 0 or args.max_new_tokens < 1:
         raise ValueError(f"--samples must be >= 0 and --max-new-tokens >= 1, got {args.samples} and "
                          f"{args.max_new_tokens}")

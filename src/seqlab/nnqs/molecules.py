@@ -129,7 +129,7 @@ def read_xyz(path: str | Path, unit: str = "angstrom") -> list[Atom]:
     """
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # (an editor's BOM is no atom count)
     except UnicodeDecodeError:
         raise MoleculeError(f"{path}: not a text file (expected .xyz)") from None
     except OSError as e:

@@ -93,15 +93,23 @@ def read_json_object(path: str | os.PathLike, error: type[Exception] = ValueErro
     return doc
 
 
+def check_not_under_a_file(path: str | os.PathLike, what: str) -> Path:
+    """``path`` as a Path, unless a folder it would need is a file: a one-line error naming ``what`` (a flag)
+    then, instead of the OS's "Not a directory" later."""
+    path = Path(path)
+    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ValueError(f"{what} {path}: lies under {blocker}, which is a file")
+    return path
+
+
 def ensure_writable_dir(path: str | os.PathLike, what: str) -> Path:
     """Create ``path`` if needed and check that files can be made in it; a clear one-line error naming ``what``
     (a flag) otherwise, before any long work starts."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ValueError(f"{what} {path}: is a file, not a directory")
-    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise ValueError(f"{what} {path}: lies under {blocker}, which is a file")
+    check_not_under_a_file(path, what)
     try:
         path.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=path).close()
@@ -124,8 +132,6 @@ def check_writable_file(path: str | os.PathLike, what: str) -> Path:
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{what} {path}: is a directory")
-    blocker = next((p for p in path.parents if p.exists() and not p.is_dir()), None)
-    if blocker is not None:
-        raise ValueError(f"{what} {path}: lies under {blocker}, which is a file")
+    check_not_under_a_file(path, what)
     ensure_writable_dir(path.parent, what)
     return path
