@@ -17,7 +17,8 @@ import torch
 from torch import Tensor, nn
 
 from seqlab.config import ModelConfig
-from seqlab.io.hf_fields import activation_name, eos_list, int_or_none, sliding_window, with_generation_eos
+from seqlab.io.hf_fields import (activation_name, eos_list, int_or_none, sliding_window, vocab_ids,
+                                 with_generation_eos)
 from seqlab.io.tensors import load_state_into, load_tensors, read_config_json
 from seqlab.runtime import CheckpointError
 from seqlab.model import build_model
@@ -318,12 +319,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     listed = eos_list(hf)
     hf = dict(hf)
     for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
-        value = hf.get(key)
-        if isinstance(value, list):  # several ids: the first one inside the vocabulary is the canonical one
-            value = next((v for v in value if isinstance(v, int) and 0 <= v < hf.get("vocab_size", 0)), None)
-        value = int_or_none(value)
-        # toy configs often keep GPT-2's 50256 with a smaller vocabulary; such an id cannot be used, so drop it
-        hf[key] = value if isinstance(value, int) and 0 <= value < hf.get("vocab_size", 0) else None
+        usable = vocab_ids(hf.get(key), hf.get("vocab_size", 0))  # of several, the first usable one is canonical
+        hf[key] = usable[0] if usable else None
     try:
         cfg = FAMILIES[model_type][0](hf)
         cfg.extra.update(listed)

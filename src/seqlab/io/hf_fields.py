@@ -22,13 +22,20 @@ def int_or_none(value: object) -> int | None:
     return value
 
 
+def vocab_ids(value: object, vocab_size: int) -> list[int]:
+    """The ids ``value`` names (one id or a list) that lie inside the vocabulary: toy configs keep GPT-2's 50256
+    with a smaller vocabulary, and such an id cannot be used."""
+    listed = value if isinstance(value, list) else [value]
+    return [v for v in listed if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab_size]
+
+
 def eos_list(hf: dict) -> dict[str, list[int]]:
     """Every EOS id where the config lists several (Llama 3: end of text, of a message, of a turn): generation
     stops at any of them, as HF's does (``GenerationConfig.eos_ids`` reads ``extra["eos_token_ids"]``)."""
     eos = hf.get("eos_token_id")
     if not isinstance(eos, list):
         return {}
-    ids = [int(e) for e in eos if isinstance(e, int) and 0 <= e < hf.get("vocab_size", 0)]
+    ids = vocab_ids(eos, hf.get("vocab_size", 0))
     return {"eos_token_ids": ids} if len(ids) > 1 else {}
 
 
@@ -39,13 +46,9 @@ def with_generation_eos(hf: dict, generation: dict) -> dict:
     only there (Llama 3 Instruct: ``config.json`` says 128001, ``generation_config.json`` adds 128009), so a
     reply would otherwise run on past its turn. The config's own id stays first: it is the one training appends.
     """
-    def usable(value: object) -> list[int]:  # (toy configs keep GPT-2's 50256 with a smaller vocabulary)
-        listed = value if isinstance(value, list) else [value]
-        vocab = hf.get("vocab_size", 0)
-        return [e for e in listed if isinstance(e, int) and not isinstance(e, bool) and 0 <= e < vocab]
-
-    own = usable(hf.get("eos_token_id"))
-    ids = own + [e for e in usable(generation.get("eos_token_id")) if e not in own]
+    vocab = hf.get("vocab_size", 0)
+    own = vocab_ids(hf.get("eos_token_id"), vocab)
+    ids = own + [e for e in vocab_ids(generation.get("eos_token_id"), vocab) if e not in own]
     return {**hf, "eos_token_id": ids} if len(ids) > len(own) else hf
 
 

@@ -79,8 +79,11 @@ def trainer_state(path: str | os.PathLike, state: dict[str, Any]) -> dict[str, A
     if not isinstance(tr, dict):
         raise CheckpointError(f"{where}: no trainer record (step, tokens seen, data position); not a training "
                               "checkpoint, or a damaged one")
-    for key, ok in (("step", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
-                    ("tokens_seen", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0),
+
+    def count(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    for key, ok in (("step", count), ("tokens_seen", count),
                     ("train_seconds", lambda v: isinstance(v, (int, float)) and math.isfinite(v) and v >= 0),
                     ("sampler", lambda v: isinstance(v, dict))):
         if not ok(tr.get(key)):
