@@ -5,7 +5,8 @@ import math
 import torch
 
 from seqlab.data import ByteTokenizer
-from seqlab.data.chat import tokenize_preference
+from seqlab.data.chat import tokenize_chat, tokenize_preference
+from seqlab.data.collate import IGNORE_INDEX
 from seqlab.objectives import DPO, dpo_loss
 from seqlab.objectives.clm import next_token_labels
 from tests.objectives.helpers import TOK, tiny_model
@@ -86,3 +87,30 @@ def test_empty_prompt_still_scores_the_first_response_token():
     batch = obj.collate([pair])
     targets = next_token_labels(batch["labels"], None, batch["attention_mask"])
     assert targets.tolist() == [[TOK.encode("Y")[0], TOK.eos_id], [TOK.encode("N")[0], TOK.eos_id]]
+
+
+GEMMA = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}"
+         "\n{{ m['content'] }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+MISTRAL = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+           "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+def test_templated_responses_are_the_templates_assistant_turns():
+    """A response is what the template renders as the assistant's turn, as SFT scores it and as TRL takes it (the
+    rendering of prompt + response after that of the prompt). It used to be the response + the tokenizer's
+    end-of-turn token: Gemma's turns ended in ChatML's ``<|im_end|>`` instead of ``<end_of_turn>``, and Mistral's
+    lost the space after ``[/INST]``."""
+    pair = {"prompt": "2 + 2?", "chosen": "4.", "rejected": "5."}
+    eos = TOK.token(TOK.eos_id)
+    for template, prompt, chosen, rejected in (
+            (GEMMA, "<start_of_turn>user\n2 + 2?<end_of_turn>\n<start_of_turn>model\n", "4.<end_of_turn>\n",
+             "5.<end_of_turn>\n"),
+            (MISTRAL, "[INST] 2 + 2? [/INST]", f" 4.{eos}", f" 5.{eos}")):
+        ex = tokenize_preference(TOK, pair, template=template)
+        text = lambda ids: TOK.decode(ids, skip_special_tokens=False)
+        assert text(ex["prompt_ids"]) == TOK.token(TOK.bos_id) + prompt
+        assert (text(ex["chosen_ids"]), text(ex["rejected_ids"])) == (chosen, rejected)
+        sft = tokenize_chat(TOK, [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "4."}],
+                            template=template)
+        assert sft["input_ids"] == ex["prompt_ids"] + ex["chosen_ids"]
+        assert [i for i in sft["labels"] if i != IGNORE_INDEX] == ex["chosen_ids"]

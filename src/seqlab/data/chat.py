@@ -86,18 +86,25 @@ def tokenize_preference(tokenizer: Any, example: dict[str, Any], max_len: int | 
     """``{"prompt", "chosen", "rejected"}`` -> ``{"prompt_ids", "chosen_ids", "rejected_ids"}``.
 
     With a chat template (as in SFT) the prompt is rendered as a user turn (or as the given message list) plus the
-    generation prompt, and each response is followed by the end-of-turn token; without one, BOS + the prompt text and
-    responses + EOS. Over-long pairs lose prompt tokens from the left first, then response tokens from the right.
+    generation prompt, and each response is the span the template renders for it as the next assistant turn, end of
+    turn included (``render_with_spans``): Mistral's leading space and Gemma's ``<end_of_turn>`` are the template's,
+    not the tokenizer's EOS. Without a template, BOS + the prompt text and responses + EOS. Over-long pairs lose
+    prompt tokens from the left first, then response tokens from the right.
     """
     template = template or tokenizer.chat_template
     prompt = example["prompt"]
     if template:
         msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        extra = {"bos_token": _special_str(tokenizer, tokenizer.bos_id),
-                 "eos_token": _special_str(tokenizer, tokenizer.eos_id)}
-        prompt_ids = tokenizer.encode(render_chat_template(template, msgs, add_generation_prompt=True, **extra))
-        eot = getattr(tokenizer, "eot_token", None) or ""
-        enc = lambda r: tokenizer.encode(r + eot)
+
+        def rendered(response: str) -> tuple[str, str]:
+            """(prompt text with the generation prompt, the response's turn); the prompt is the same for every
+            response, since ``render_with_spans`` checks that it is a prefix of the whole rendering"""
+            text, spans = render_with_spans(tokenizer, msgs + [{"role": "assistant", "content": response}], template)
+            start, end = spans[-1]
+            return text[:start], text[start:end]
+
+        prompt_ids = tokenizer.encode(rendered(example["chosen"])[0])
+        enc = lambda r: tokenizer.encode(rendered(r)[1])
     else:
         if not isinstance(prompt, str):
             raise ValueError("a message-list prompt needs a chat template")
