@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,14 @@ def test_info_quantises_as_generate_would(tiny_gguf, tmp_path, capsys):
     assert on_the_fly == layout(capsys.readouterr().out)
     assert ["int8", "per-channel"] in [row[:2] for row in on_the_fly]  # the head keeps groups of 32, as quantize's
     assert main(["info", str(tiny_gguf)]) == 0
-    assert "quantised products" not in capsys.readouterr().out  # dense without --quant, as before
+    dense = capsys.readouterr().out
+    assert "quantised products" not in dense  # dense without --quant, as before
+    renamed = tmp_path / "model.bin"  # a GGUF is known by its magic, not its name (this one read as a folder)
+    shutil.copyfile(tiny_gguf, renamed)
+    assert main(["info", str(renamed)]) == 0
+    config_and_size = lambda out: out[: out.index("kv-cache:")]
+    renamed_out = capsys.readouterr().out.replace(str(renamed), str(tiny_gguf))  # the config names its source
+    assert config_and_size(renamed_out) == config_and_size(dense)
     assert main(["info", str(tiny_gguf), "--group-size", "32"]) == 2
     assert "--group-size 32: only with --quant int8 or int4" in capsys.readouterr().err
     assert main(["quantize", "--gguf", str(tiny_gguf), "--bits", "8", "--out", str(tmp_path / "q")]) == 0

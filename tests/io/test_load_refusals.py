@@ -16,7 +16,8 @@ import torch
 from seqlab.cli import main
 from seqlab.config import ModelConfig
 from seqlab.data import ByteTokenizer, build_tokenizer
-from seqlab.io import CheckpointError, GGUFError, load_gguf, load_pretrained, resolve_checkpoint, save_pretrained
+from seqlab.io import (CheckpointError, GGUFError, load_gguf, load_hf, load_pretrained, resolve_checkpoint,
+                       save_pretrained)
 from seqlab.io.gguf import read_gguf
 from seqlab.model import build_model
 from seqlab.train.checkpoint import save_checkpoint
@@ -195,3 +196,15 @@ def test_api_arguments_of_the_wrong_kind_are_named(tmp_path):
     bpe = build_tokenizer("bpe:300", train_texts=["the cat sat on the mat " * 50])
     with pytest.raises(ValueError, match="got -1"):
         bpe.decode([5, -1])
+
+
+def test_a_gguf_file_given_as_a_folder_names_the_flag_that_reads_it(tmp_path, capsys):
+    """`--model x.gguf` read `x.gguf/config.json: file not found`, and `--checkpoint x.gguf` said only "not a file"."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_llama(path)
+    for loader in (load_pretrained, load_hf):
+        with pytest.raises(GGUFError, match="a GGUF file, not a model folder: load it with --gguf"):
+            loader(path)
+    for flag in ("--model", "--checkpoint"):
+        assert main(["generate", flag, str(path), "--prompt", "a", "--max-new-tokens", "1"]) == 2
+        assert "a GGUF file, not a model folder: load it with --gguf" in capsys.readouterr().err

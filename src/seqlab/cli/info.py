@@ -11,6 +11,7 @@ from seqlab.accel import accelerate
 from seqlab.accel.apply import DISABLE_ENV
 from seqlab.cli.model_args import add_quant_flags, apply_quant, check_quant_flags
 from seqlab.io import load_gguf, load_pretrained
+from seqlab.io.gguf_file import is_gguf_file
 from seqlab.quant import QuantLinear, routes
 from seqlab.quant.convert import describe_layout
 
@@ -20,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Print the ModelConfig, parameter count and KV-cache bytes per token of a model folder "
                                    "or GGUF file, and the CPU routes measured for it on this machine.")
     p.add_argument("path", help="a seqlab or Hugging Face model folder (config.json + model.safetensors), a training "
-                                "checkpoint, a run directory (its latest checkpoint), or a .gguf file (its weights "
+                                "checkpoint, a run directory (its latest checkpoint), or a GGUF file (its weights "
                                 "dense, as `seqlab generate --gguf` loads them, unless --quant)")
     add_quant_flags(p)  # the routes a quantised model runs, as `seqlab generate --quant` would quantise it
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -29,7 +30,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     path = Path(args.path)
-    gguf = path.suffix == ".gguf" and path.is_file()
+    gguf = is_gguf_file(path)
     check_quant_flags(args.quant, args.group_size, may_be_quantised=not gguf)
     if gguf and args.group_size is None:  # --quant as `seqlab generate --gguf` applies it (gguf keeps the blocks)
         model = load_gguf(path, with_tokenizer=False, quant=args.quant)[0]

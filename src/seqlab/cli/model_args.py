@@ -21,6 +21,7 @@ from torch import nn
 
 from seqlab.data import Tokenizer, load_tokenizer
 from seqlab.io import load_gguf, load_hf, load_pretrained, resolve_checkpoint
+from seqlab.io.gguf_file import refuse_gguf_file
 from seqlab.quant.convert import cast_unquantised, quantize
 from seqlab.runtime.dist import resolve_device
 
@@ -93,6 +94,7 @@ def load_model(args: argparse.Namespace, default_gguf: Path | None = None) -> Lo
     # int8/int4 round the fp32 weights; the rest of the model takes --dtype after (quant.convert.cast_unquantised)
     dense = torch.float32 if args.quant in ("int8", "int4") else dtype
     if args.checkpoint:
+        refuse_gguf_file(args.checkpoint)
         folder = resolve_checkpoint(args.checkpoint)
         model = apply_quant(load_pretrained(folder, dtype=dense, device=device), args.quant, f"--checkpoint {folder}",
                             group_size, dtype)

@@ -17,6 +17,7 @@ from torch import nn
 
 import seqlab
 from seqlab.config import ModelConfig
+from seqlab.io.gguf_file import refuse_gguf_file
 from seqlab.io.hf import load_hf
 from seqlab.io.tensors import load_state_into, load_tensors, read_config_json, save_tensors, unique_state_dict
 from seqlab.model import build_model
@@ -59,6 +60,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     Face folder is handed to ``load_hf``."""
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+    refuse_gguf_file(path)
     folder = resolve_checkpoint(path)
     tensors = None
     if (folder / "state.json").is_file():  # a training checkpoint: every file is checked against its sha256 first

@@ -16,13 +16,28 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GGUFError", "GGUFFile", "GGUFTensorInfo", "import_gguf", "read_gguf"]
+__all__ = ["GGUFError", "GGUFFile", "GGUFTensorInfo", "import_gguf", "is_gguf_file", "read_gguf", "refuse_gguf_file"]
 
 GGUF_MAGIC = b"GGUF"
 
 
 class GGUFError(ValueError):
     """The file is not a usable GGUF: malformed, truncated, or an architecture / tensor type we cannot load."""
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """A file that begins with GGUF's magic, whatever its name (``model.GGUF``, a download kept as ``model.bin``)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:  # a folder, a missing path, an unreadable file: not one to read as GGUF
+        return False
+
+
+def refuse_gguf_file(path: str | Path) -> None:
+    """Raise where a folder loader was handed a GGUF file, naming the loader that reads it."""
+    if is_gguf_file(path):
+        raise GGUFError(f"{path}: a GGUF file, not a model folder: load it with --gguf (seqlab.io.load_gguf)")
 
 
 def import_gguf():

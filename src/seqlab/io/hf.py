@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from seqlab.config import ModelConfig
 from seqlab.io.hf_fields import (activation_name, eos_list, int_or_none, sliding_window, vocab_ids,
                                  with_generation_eos)
+from seqlab.io.gguf_file import refuse_gguf_file
 from seqlab.io.tensors import load_state_into, load_tensors, read_config_json
 from seqlab.runtime import CheckpointError
 from seqlab.model import build_model
@@ -366,6 +367,7 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None, device=No
     recorded in ``model.config.extra["uninitialised"]``; the body is always fully loaded or the call fails.
     The EOS ids of ``generation_config.json`` are listed after the config's own, as HF's ``generate`` stops there.
     """
+    refuse_gguf_file(path)
     folder = Path(path)
     hf = read_config_json(folder / "config.json")
     if (folder / "generation_config.json").is_file():
