@@ -1,6 +1,7 @@
 """Packing documents into rows with document ids gives the same loss as one document per padded row."""
 
 import pytest
+import torch
 
 from seqlab.data import build_dataset
 from seqlab.data.byte_tokenizer import byte_backend
@@ -39,8 +40,12 @@ def test_pack_layout():
         assert [d for d in doc if d >= 0] == sorted(d for d in doc if d >= 0)  # ids count up within a row
     assert sorted(map(tuple, found)) == sorted(map(tuple, docs))  # every document exactly once, unsplit
     assert packing_efficiency(rows) == sum(map(len, docs)) / (64 * len(rows))
-    long = pack_documents([list(range(150))], 64, 0)  # longer than a row: cut into row-sized pieces
-    assert [sum(d >= 0 for d in r["document_ids"]) for r in long] == [64, 64, 22]
+    long = pack_documents([list(range(150))], 64, 0)  # longer than a row: pieces that overlap by one token
+    assert [sum(d >= 0 for d in r["document_ids"]) for r in long] == [64, 64, 24]
+    batch = {k: torch.tensor([r[k] for r in long]) for k in ("input_ids", "document_ids")}
+    targets = next_token_labels(batch["input_ids"], batch["document_ids"], batch["document_ids"] >= 0)
+    # every token after the first is a target once; cut end to end, the two tokens after the cuts were lost
+    assert sorted(targets[targets != IGNORE_INDEX].tolist()) == list(range(1, 150))
 
 
 @pytest.mark.parametrize("pos", ["rope", "learned"])
@@ -62,19 +67,23 @@ def test_packed_loss_equals_unpacked(pos):
     assert abs(float(obj.loss(model, leaky).loss_sum.detach()) - b) > 1e-5 * abs(b)
 
 
-def test_a_tokenizer_without_pad_packs_and_one_token_separates_documents(tmp_path):
-    """GPT-2's tokenizer has no pad and BOS is EOS: --pack crashed on the missing pad (TypeError), and would have
-    put two <|endoftext|> between documents. Padding stays out of the targets; each document's EOS is one."""
+def test_a_tokenizer_without_pad_packs_and_each_document_opens_with_bos(tmp_path):
+    """GPT-2's tokenizer has no pad and BOS is EOS: --pack crashed on the missing pad (TypeError). Each packed
+    document is <|endoftext|> + text + <|endoftext|>: it sees nothing of the document before it, so without its own
+    opener its first token was never a target (one per document lost, where the stream without --pack scores it)."""
     tok = Tokenizer.from_backend(byte_backend(["<|endoftext|>"]), name="gpt2like")
     assert tok.pad_id is None and tok.bos_id == tok.eos_id
     (tmp_path / "docs.jsonl").write_text("".join(f'{{"text": "doc {i}"}}\n' for i in range(30)))
     ds = build_dataset("clm", tmp_path / "docs.jsonl", tok, 32, "train", pack=True)
     batch = build_objective("clm", tok).collate([ds[i] for i in range(len(ds))])
     ids, docs = batch["input_ids"][0].tolist(), batch["document_ids"][0].tolist()
-    assert ids[:14] == [*b"doc 10", tok.eos_id, *b"doc 11", tok.eos_id] and docs[:14] == [0] * 7 + [1] * 7
+    eot = tok.eos_id
+    assert ids[:16] == [eot, *b"doc 10", eot, eot, *b"doc 11", eot] and docs[:16] == [0] * 8 + [1] * 8
     targets = next_token_labels(batch["labels"], batch["document_ids"], batch["attention_mask"])
     real = batch["document_ids"][:, 1:] >= 0
-    assert bool((targets[~real] == IGNORE_INDEX).all()) and int((targets == tok.eos_id).sum()) > 0
+    assert bool((targets[~real] == IGNORE_INDEX).all())
+    n_docs = int(sum(len(set(d) - {PAD_DOCUMENT}) for d in batch["document_ids"].tolist()))
+    assert int((targets == ord("d")).sum()) == n_docs  # each text's first byte, predicted from its opener
 
 
 def test_mlm_rows_without_bos_or_eos(tmp_path):

@@ -71,3 +71,14 @@ def test_default_datasets_cover_the_stream_once():
     assert all(len(mlm[i]) <= seq and mlm[i][0] == TOK.bos_id and mlm[i][-1] == TOK.eos_id for i in (0, len(mlm) - 1))
     s2s = build_dataset("seq2seq", None, TOK, 32, "validation", seed=0)
     assert len(s2s) == 500 and s2s[5] == build_dataset("seq2seq", None, TOK, 32, "validation", seed=0)[5]
+
+
+def test_validation_chats_and_pairs_are_unseen_in_training():
+    """Only the dates were held out: 22 of 200 validation pairs and 3 of 200 validation chats were training
+    examples word for word, so DPO's validation accuracy was partly measured on what it trained on."""
+    asked = lambda chats: {m["content"] for c in chats for m in c["messages"] if m["role"] == "user"}
+    train_q, val_q = asked(chat_examples(3000, seed=0)), asked(chat_examples(300, seed=0, split="validation"))
+    assert len(val_q) > 250 and not train_q & val_q
+    train_p = {p["prompt"] for p in preference_examples(3000, seed=0)}
+    val_p = {p["prompt"] for p in preference_examples(300, seed=0, split="validation")}
+    assert len(val_p) > 250 and not train_p & val_p

@@ -237,8 +237,9 @@ def build_dataset(objective: str, path: str | os.PathLike | None, tokenizer: Any
         docs = split_documents(path, split)
         if pack:
             eos = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
-            # where BOS is EOS (GPT-2's <|endoftext|>) one token separates documents, as in the stream
-            bos = [tokenizer.bos_id] if tokenizer.bos_id is not None and [tokenizer.bos_id] != eos else []
+            # BOS even where it is EOS (GPT-2's <|endoftext|>): a packed document sees nothing of the one before it,
+            # so without its own opener its first token would have no position to be predicted from
+            bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
             # the padding's id is never read (its document id masks it out), but it must be an id: EOS, else 0
             pad = next((p for p in (tokenizer.pad_id, tokenizer.eos_id) if p is not None), 0)
             rows = pack_documents([bos + ids + eos for ids in tokenizer.encode_batch(docs)], seq_len, pad)

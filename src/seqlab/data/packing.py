@@ -7,7 +7,8 @@ documents) and restarts positions at each document start, and the CLM shift drop
 a document boundary. ``tests/data/test_packing.py`` checks the loss equals the unpacked batch.
 
 Documents are never split across rows (a split document would restart its positions mid-text and lose context);
-documents longer than a row are cut into row-sized chunks first. Placement is best-fit decreasing (O(n log n)),
+documents longer than a row are cut into row-sized chunks first, each one after the first opening with the last
+token of the one before as its context. Placement is best-fit decreasing (O(n log n)),
 deterministic.
 """
 
@@ -20,7 +21,12 @@ PAD_DOCUMENT = -1
 
 
 def chunk(ids: Sequence[int], size: int) -> list[list[int]]:
-    return [list(ids[i: i + size]) for i in range(0, len(ids), size)] or [[]]
+    """A document as pieces of at most ``size`` tokens. Pieces of a longer one overlap by a token: a piece's first
+    position is never a target (it opens a document), so that token is the context of the next, and every token
+    after the document's first is a target once, as in the stream's windows (cut end to end, one was lost per cut)."""
+    if len(ids) <= size:
+        return [list(ids)]
+    return [list(ids[i: i + size]) for i in range(0, len(ids) - 1, size - 1)]
 
 
 def pack_documents(docs: Sequence[Sequence[int]], seq_len: int, pad_id: int) -> list[dict[str, list[int]]]:
@@ -28,8 +34,8 @@ def pack_documents(docs: Sequence[Sequence[int]], seq_len: int, pad_id: int) -> 
 
     ``docs`` are already tokenised (include BOS/EOS yourself if the objective wants them).
     """
-    if seq_len <= 0:
-        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    if seq_len < 2:  # a row must hold a target after its context
+        raise ValueError(f"seq_len must be at least 2, got {seq_len}")
     pieces = [c for d in docs for c in chunk(d, seq_len) if c]
     order = sorted(range(len(pieces)), key=lambda i: (-len(pieces[i]), i))  # stable: ties keep input order
     rows: list[list[list[int]]] = []

@@ -2,7 +2,8 @@
 
 - seq2seq: **date normalisation** — "Friday, March 5, 2021" / "5 Mar 2021" / "05.03.2021" ... -> "2021-03-05".
   Each example is a pure function of (seed, index); the validation split uses only dates whose day number is a
-  multiple of 20 and training never does, so validation dates are truly unseen.
+  multiple of 20 and training never does, so validation dates are truly unseen. The chats' and pairs' sums,
+  differences, products and word lists are held out the same way (one in 20 by a key of their operands or words).
 - SFT: short chats in ChatML roles — arithmetic, date normalisation, word reversal, and a calculator *tool call*
   round trip (assistant calls the tool, the tool answers, the assistant reports) — with an optional system prompt.
 - DPO: the same kinds of prompts with a correct (chosen) and a plausibly wrong (rejected) answer.
@@ -30,11 +31,26 @@ def _rng(seed: int, index: int, salt: int) -> random.Random:
     return random.Random(f"{seed}/{salt}/{index}")
 
 
+def _in_split(key: int, split: str) -> bool:
+    """Every task's items are split by a key: one in ``HOLDOUT_EVERY`` is validation's and never training's."""
+    return (key % HOLDOUT_EVERY == 0) == (split == "validation")
+
+
 def _pick_day(rng: random.Random, split: str) -> _dt.date:
     while True:
         o = rng.randint(_FIRST, _LAST)
-        if (o % HOLDOUT_EVERY == 0) == (split == "validation"):
+        if _in_split(o, split):
             return _dt.date.fromordinal(o)
+
+
+def _pick_operands(rng: random.Random, split: str, low: int, ordered: bool = False) -> tuple[int, int]:
+    """Two numbers in [low, 99] (``ordered``: the larger first, for a subtraction) of the split's pairs."""
+    while True:
+        a, b = rng.randint(low, 99), rng.randint(low, 99)
+        if ordered and b > a:
+            a, b = b, a
+        if _in_split(100 * a + b, split):
+            return a, b
 
 
 def format_date(d: _dt.date, style: int) -> str:
@@ -74,26 +90,29 @@ SYSTEM_PROMPTS = ["You are a concise assistant.", "Answer briefly and exactly.",
 CALCULATOR_TOOL = "calculator"
 
 
-def _word_reverse(rng: random.Random) -> tuple[str, str, str]:
-    words = rng.sample(["apple", "river", "stone", "cloud", "tiger", "maple", "ember", "ocean", "lemon", "pilot",
-                        "amber", "candle", "harbor", "violet"], k=rng.randint(2, 4))
-    return "reverse", f"Reverse the order of these words: {' '.join(words)}", " ".join(reversed(words))
+WORDS = ["apple", "river", "stone", "cloud", "tiger", "maple", "ember", "ocean", "lemon", "pilot", "amber", "candle",
+         "harbor", "violet"]
+
+
+def _word_reverse(rng: random.Random, split: str) -> tuple[str, str, str]:
+    while True:
+        words = rng.sample(WORDS, k=rng.randint(2, 4))
+        if _in_split(sum(WORDS.index(w) * len(WORDS) ** i for i, w in enumerate(words)), split):
+            return "reverse", f"Reverse the order of these words: {' '.join(words)}", " ".join(reversed(words))
 
 
 def _task(rng: random.Random, split: str) -> tuple[str, str, str, tuple[int, int, str] | None]:
     """(kind, question, answer, arithmetic operands or None)."""
     kind = rng.choice(["add", "sub", "date", "reverse"])
     if kind in ("add", "sub"):
-        a, b = rng.randint(2, 99), rng.randint(2, 99)
-        if kind == "sub" and b > a:
-            a, b = b, a
+        a, b = _pick_operands(rng, split, 2, ordered=kind == "sub")
         op = "+" if kind == "add" else "-"
         ans = a + b if kind == "add" else a - b
         return kind, f"What is {a} {op} {b}?", f"{a} {op} {b} = {ans}.", (a, b, op)
     if kind == "date":
         d = _pick_day(rng, split)
         return kind, f"Write {format_date(d, rng.randrange(N_DATE_STYLES))} in ISO format.", d.isoformat(), None
-    k, q, a = _word_reverse(rng)
+    k, q, a = _word_reverse(rng, split)
     return k, q, a, None
 
 
@@ -104,7 +123,7 @@ def chat_example(seed: int, index: int, split: str = "train") -> dict[str, Any]:
     if rng.random() < 0.5:
         messages.append({"role": "system", "content": rng.choice(SYSTEM_PROMPTS)})
     if rng.random() < 0.25:  # tool round trip: multiply with the calculator
-        a, b = rng.randint(11, 99), rng.randint(11, 99)
+        a, b = _pick_operands(rng, split, 11)
         messages += [
             {"role": "user", "content": f"Use the calculator: what is {a} times {b}?"},
             {"role": "assistant", "content": "",
