@@ -5,6 +5,9 @@ source model's top-2 margin is clear of the rounding; for q8_0 / q4_0 / q4_1 eve
 to exactly what ``gguf.quants`` made of the (rope-permuted) source values.
 """
 
+import json
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +17,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 from seqlab import ModelConfig, build_model  # noqa: E402
+from seqlab.data.byte_lengths import bytes_to_unicode  # noqa: E402
 from seqlab.data.tokenizer import Tokenizer  # noqa: E402
 from seqlab.data.tokenizers import ByteTokenizer, train_bpe  # noqa: E402
 from seqlab.generate import generate  # noqa: E402
@@ -22,6 +26,7 @@ from seqlab.io.export_gguf import export_gguf, gguf_name, rope_permutation  # no
 from seqlab.io.export_hf import ExportError, to_hf  # noqa: E402
 from seqlab.io.gguf import reverse_rope_permutation  # noqa: E402
 from seqlab.io.gguf_file import GGUFFile  # noqa: E402
+from seqlab.io.tokenizer import GGUF_PRE_TOKENIZERS, tokenizer_from_gguf  # noqa: E402
 
 TEXTS = ["the quick brown fox jumps over the lazy dog. " * 3, "hello world, hello there! 12345 numbers", "ünïcödé text"] * 4
 PROMPT = "<|im_start|>user\nhello the quick fox<|im_end|>\n"
@@ -220,3 +225,37 @@ def test_rows_that_are_not_whole_blocks_are_written_f16_with_a_warning(tmp_path,
     types = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
     assert types["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.F16
     assert types["blk.0.ffn_down.weight"] == gguf.GGMLQuantizationType.Q4_0  # its rows hold d_ff values
+
+
+def _with_model(tok: Tokenizer, **bpe_fields) -> Tokenizer:
+    doc = json.loads(tok.backend.to_str())
+    doc["model"].update(bpe_fields)
+    return Tokenizer(Backend.from_str(json.dumps(doc)), bos_id=tok.bos_id, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                     name=tok.name)
+
+
+def test_llama3_files_ignore_merges_as_llama_cpp_and_hf_do(tmp_path, bpe):
+    """llama.cpp's Llama 3 family ("llama-bpe", "falcon3", ...) takes a piece that is in the vocabulary whole, as
+    tokenizer.json's "ignore_merges": true does; seqlab applied the merges, and split "falcon3" and
+    "deepseek-r1-qwen" files like GPT-2. "smaug-bpe" is the same split with the merges applied."""
+    alias = bytes_to_unicode()
+    tokens = [alias[b] for b in range(256)] + ["ab", "abc"]  # "abc" is in the vocabulary, no merge makes it
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": ["a b"],
+            "tokenizer.ggml.bos_token_id": 0}
+    ids = lambda pre: tokenizer_from_gguf(meta | {"tokenizer.ggml.pre": pre}).encode("abc")
+    assert ids("llama-bpe") == ids("falcon3") == [257] and ids("smaug-bpe") == ids("qwen2") == [256, ord("c")]
+    assert tokenizer_from_gguf(meta | {"tokenizer.ggml.pre": "falcon3"}).add_bos_token  # llama.cpp's default there
+    ref = json.loads(tokenizer_from_gguf(meta | {"tokenizer.ggml.pre": "qwen2"}).backend.to_str())["pre_tokenizer"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a known name: no "unknown pre-tokenizer" fallback
+        alias_spec = json.loads(tokenizer_from_gguf(meta | {"tokenizer.ggml.pre": "deepseek-r1-qwen"})
+                                .backend.to_str())["pre_tokenizer"]
+    assert alias_spec == ref
+    # the name written says whether merges are ignored, so the file reads back as the folder tokenizes
+    llama3 = _split_by(bpe, GGUF_PRE_TOKENIZERS["llama3"]())
+    for tok, name in ((_with_model(llama3, ignore_merges=True), "llama3"), (llama3, "smaug-bpe")):
+        path = export_gguf(_model(bpe.vocab_size), tmp_path / f"{name}.gguf", tok, weight_type="f32")
+        assert GGUFFile(path).metadata["tokenizer.ggml.pre"] == name
+        back = load_gguf(path)[1]
+        assert json.loads(back.backend.to_str())["model"]["ignore_merges"] == (name == "llama3")
+        assert back.encode(" ".join(TEXTS)) == tok.encode(" ".join(TEXTS))

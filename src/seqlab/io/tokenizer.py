@@ -17,7 +17,7 @@ from tokenizers import Tokenizer as Backend
 from seqlab.data.byte_lengths import bytes_to_unicode
 from seqlab.data.tokenizer import Tokenizer, TokenizerError, special_post_processor
 
-__all__ = ["GGUF_PRE_TOKENIZERS", "gguf_pre_name", "tokenizer_from_gguf"]
+__all__ = ["GGUF_PRE_TOKENIZERS", "LLAMA3_FAMILY", "gguf_pre_name", "tokenizer_from_gguf"]
 
 # GGUF token types (llama.cpp's llama_token_type)
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
@@ -50,7 +50,7 @@ def _regex_pre(pattern: str):
 
 
 GGUF_PRE_TOKENIZERS = {
-    "default": _gpt2_pre,
+    "default": _gpt2_pre,  # llama.cpp chains four regexes for it (a fallback it warns about), GPT-2's among them
     "gpt-2": _gpt2_pre,  # llama.cpp's name, and so the one written; "gpt2" is read too (files from other writers)
     "gpt2": _gpt2_pre,
     "smollm": _digits_then_gpt2_pre,
@@ -60,9 +60,21 @@ GGUF_PRE_TOKENIZERS = {
     "llama3": _regex_pre(_LLAMA3_SPLIT),
     "llama-v3": _regex_pre(_LLAMA3_SPLIT),
     "llama-bpe": _regex_pre(_LLAMA3_SPLIT),
-    "smaug-bpe": _regex_pre(_LLAMA3_SPLIT),
+    "falcon3": _regex_pre(_LLAMA3_SPLIT),
+    "falcon-h1": _regex_pre(_LLAMA3_SPLIT),
+    "pixtral": _regex_pre(_LLAMA3_SPLIT),
+    "midm-2.0": _regex_pre(_LLAMA3_SPLIT),
+    "lfm2": _regex_pre(_LLAMA3_SPLIT),
+    "smaug-bpe": _regex_pre(_LLAMA3_SPLIT),  # Llama 3's split with every merge applied
     "qwen2": _regex_pre(_QWEN2_SPLIT),
+    "deepseek-r1-qwen": _regex_pre(_QWEN2_SPLIT),
+    "kormo": _regex_pre(_QWEN2_SPLIT),
+    "megrez": _regex_pre(_QWEN2_SPLIT),
 }
+
+# llama.cpp's Llama 3 family: a piece already in the vocabulary is one token, whatever the merges would make of it
+# (tokenizer.json's "ignore_merges": true), and BOS is added unless the file says otherwise
+LLAMA3_FAMILY = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"})
 
 
 def _splitting(pre_tokenizer: Any) -> Any:
@@ -85,9 +97,12 @@ def gguf_pre_name(backend: Backend) -> str | None:
     names, "gpt-2" before "default"), or None when llama.cpp knows none that seqlab does. A GGUF file read back
     splits by that name, so writing another would tokenize the same text differently (SmolLM2's "smollm" keeps
     every digit apart; GPT-2's split does not)."""
-    spec = _splitting(json.loads(backend.to_str()).get("pre_tokenizer"))
+    doc = json.loads(backend.to_str())
+    spec = _splitting(doc.get("pre_tokenizer"))
+    ignores_merges = bool((doc.get("model") or {}).get("ignore_merges"))
     names = [n for n in GGUF_PRE_TOKENIZERS if n != "default"] + ["default"]
-    return next((name for name in names if _spec_of(GGUF_PRE_TOKENIZERS[name]) == spec), None)
+    return next((name for name in names if _spec_of(GGUF_PRE_TOKENIZERS[name]) == spec
+                 and (name in LLAMA3_FAMILY) == ignores_merges), None)
 
 
 def tokenizer_from_gguf(metadata: Mapping[str, Any], source: str = "<gguf>") -> Tokenizer:
@@ -123,11 +138,12 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], source: str = "<gguf>") -> 
         if len(parts) != 2:
             raise TokenizerError(f"{source}: tokenizer.ggml.merges[{j}] = {m!r} is not 'left right'")
         pairs.append((parts[0], parts[1]))
-    backend = Backend(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
     pre = metadata.get("tokenizer.ggml.pre", "default")
     if pre not in GGUF_PRE_TOKENIZERS:
         warnings.warn(f"{source}: unknown GGUF pre-tokenizer {pre!r}; using GPT-2's split", stacklevel=2)
         pre = "default"
+    backend = Backend(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False,
+                                 ignore_merges=pre in LLAMA3_FAMILY))
     backend.pre_tokenizer = GGUF_PRE_TOKENIZERS[pre]()
     backend.decoder = decoders.ByteLevel()
     # Control tokens (<|im_start|>, <|endoftext|>) are matched whole and are "special" (skippable on decode);
@@ -148,7 +164,7 @@ def tokenizer_from_gguf(metadata: Mapping[str, Any], source: str = "<gguf>") -> 
         if value is not None and not 0 <= value < len(spelled):
             raise TokenizerError(f"{source}: tokenizer.ggml.{role}_token_id={value} is outside the vocabulary "
                                  f"[0, {len(spelled)})")
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", pre in LLAMA3_FAMILY))
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
     backend.post_processor = special_post_processor(spelled.__getitem__, bos if add_bos else None,
                                                     eos if add_eos else None)
