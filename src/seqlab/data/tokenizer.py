@@ -218,6 +218,10 @@ class Tokenizer:
             token = self.token(getattr(self, f"{role}_id"))
             if token is not None:
                 cfg[f"{role}_token"] = token
+        ends = self.encode("a", add_special_tokens=True)
+        if None not in (self.bos_id, self.eos_id) and ends[:1] + ends[-1:] == [self.bos_id, self.eos_id]:
+            # BERT's rule, [CLS] text [SEP]: transformers' BERT code reads them as cls and sep, not bos and eos
+            cfg["cls_token"], cfg["sep_token"] = self.bos_token, self.eos_token
         cfg["model_max_length"] = model_max_length or int(1e30)  # HF's "no limit" unless the model's context is known
         if self.chat_template:
             cfg["chat_template"] = self.chat_template
