@@ -49,6 +49,26 @@ def test_a_warmup_fraction_starts_as_the_same_warmup_in_steps_does():
     assert frac(0) == pytest.approx(steps(0)) == pytest.approx(1 / 101)
 
 
+def test_a_time_budget_too_short_for_the_warmup_steps_still_reaches_the_peak_and_decays():
+    """--max-time 60 with the default 100 warmup steps at 1 s a step: the run ended at step 60 still in warmup, at
+    0.59 of the peak, never decayed (docs: a time budget always ends fully decayed). Warmup now ends by half the
+    budget at the latest."""
+    s = LRSchedule(TrainConfig(lr=1.0, max_time_s=60.0, warmup_steps=100, min_lr_ratio=0.1))
+    lrs = [s(step, 1.0 * (step + 1)) for step in range(60)]  # progress counts the step's own time
+    assert lrs[0] == pytest.approx(1 / 101) and max(lrs) == pytest.approx(1.0, abs=0.02)
+    peak = lrs.index(max(lrs))
+    assert 27 <= peak <= 30 and all(a <= b for a, b in zip(lrs[:peak], lrs[1:peak + 1]))
+    assert all(a >= b for a, b in zip(lrs[peak:], lrs[peak + 1:])) and lrs[-1] == pytest.approx(0.1)
+
+
+def test_a_warmup_fraction_ramps_as_the_same_warmup_in_steps_does():
+    """Steps 0 and 1 of a 10 % warmup over 1000 steps both took about lr / 100, and every later step sat one behind
+    --warmup-steps 100."""
+    frac = LRSchedule(TrainConfig(lr=1.0, max_steps=1000, warmup_frac=0.1))
+    steps = LRSchedule(TrainConfig(lr=1.0, max_steps=1000, warmup_steps=100))
+    assert [frac(i) for i in range(0, 1001, 7)] == pytest.approx([steps(i) for i in range(0, 1001, 7)])
+
+
 def test_a_warmup_fraction_under_a_time_budget_does_not_waste_its_first_update(tmp_path):
     """With a time budget the first update's progress counts its own compute: it was taken at progress 0, at
     lr / (warmup_frac x max_steps + 1), lr / 500001 here (the demo's recipe: lr / 30001)."""

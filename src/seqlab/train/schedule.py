@@ -11,6 +11,11 @@ from seqlab.runtime.schedule import cosine_decay, warmup_cosine
 from seqlab.train.config import TrainConfig
 
 
+# Under a time budget a warmup counted in steps may need more steps than the budget holds: it then ends, at the
+# latest, when this fraction of the budget is spent, so the run still reaches its peak and decays
+TIME_WARMUP_CAP = 0.5
+
+
 class LRSchedule:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
@@ -26,12 +31,14 @@ class LRSchedule:
         """Progress at which warmup ends. Counted in steps, it ends after ``warmup_steps`` of them; under a time
         budget that is also a time, ``train_seconds * warmup_steps / step`` at the steady step time, so that the
         cosine starts from the peak where warmup leaves it (measured in step progress alone it started further
-        along: 0.99 of the peak at the last warmup step, 0.63 at the next)."""
+        along: 0.99 of the peak at the last warmup step, 0.63 at the next), and at most ``TIME_WARMUP_CAP``."""
         if self.cfg.warmup_frac is not None:
             return self.cfg.warmup_frac
         pw = min(self.cfg.warmup_steps / self.cfg.max_steps, 1.0)
-        if self.cfg.max_time_s is not None and step > 0:
-            pw = max(pw, train_seconds * self.cfg.warmup_steps / step / self.cfg.max_time_s)
+        if self.cfg.max_time_s is not None:
+            if step > 0:
+                pw = max(pw, train_seconds * self.cfg.warmup_steps / step / self.cfg.max_time_s)
+            return min(pw, TIME_WARMUP_CAP)
         return min(pw, 1.0)
 
     def __call__(self, step: int, train_seconds: float = 0.0) -> float:
@@ -40,11 +47,18 @@ class LRSchedule:
         step_based = cfg.warmup_frac is None and cfg.max_time_s is None
         if step_based and cfg.schedule == "cosine":
             return warmup_cosine(step, cfg.max_steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio)
-        if cfg.warmup_frac is None and step < cfg.warmup_steps:
-            return cfg.lr * (step + 1) / (cfg.warmup_steps + 1)
         p, pw = self.progress(step, train_seconds), self.warmup_progress(step, train_seconds)
-        if cfg.warmup_frac is not None and p < pw:  # the first update at lr / (warmup steps + 1), as counted in steps
-            return cfg.lr * max(p / pw, 1.0 / (pw * cfg.max_steps + 1))
+        if cfg.warmup_frac is None and step < cfg.warmup_steps:
+            ramp = (step + 1) / (cfg.warmup_steps + 1)
+            if cfg.max_time_s is None:
+                return cfg.lr * ramp
+            if p < pw:  # a budget too short for the steps' warmup ramps up by time too (once a step time is known)
+                return cfg.lr * (max(ramp, p / pw) if step > 0 else ramp)
+        elif cfg.warmup_frac is not None and p < pw:
+            # the ramp of the same warmup in steps (step 0 at lr / (warmup steps + 1)); under a time budget at least
+            # the time's share of it
+            ramp = (step + 1) / (pw * cfg.max_steps + 1)
+            return cfg.lr * (ramp if cfg.max_time_s is None else max(p / pw, ramp))
         if cfg.schedule == "constant":
             return cfg.lr
         return cosine_decay(0.0 if pw >= 1.0 else max(p - pw, 0.0) / (1.0 - pw), cfg.lr, cfg.min_lr_ratio)
