@@ -33,6 +33,8 @@ GOOD_CHAT = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant
      r"s.jsonl:3: missing field 'target' \(have \['source'\]\)"),
     (read_seq2seq, "s.jsonl", _jsonl({"source": "a", "target": 5}), r"s.jsonl:1: field 'target' must be a string"),
     (read_seq2seq, "s.jsonl", _jsonl([1, 2]), r"s.jsonl:1: expected a JSON object \(one per line, JSONL\), got list"),
+    (read_seq2seq, "a.json", json.dumps([{"source": "a", "target": "b"}], indent=2),
+     r"a.json:1: invalid JSON: .* this looks like a JSON array: write one object per line \(JSONL\)"),
     (read_seq2seq, "empty.jsonl", "", r"empty.jsonl: file is empty"),
     (read_seq2seq, "blank.jsonl", "\n  \n", r"blank.jsonl: file is empty"),
     (read_documents, "empty.txt", "", r"empty.txt: file is empty"),

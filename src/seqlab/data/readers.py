@@ -71,7 +71,9 @@ def read_jsonl(path: str | os.PathLike) -> list[tuple[int, dict[str, Any]]]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(path, lineno, f"invalid JSON: {e.msg} (column {e.colno})") from None
+            array = not out and line.strip().startswith("[")  # a pretty-printed JSON array, not one object a line
+            hint = "; this looks like a JSON array: write one object per line (JSONL)" if array else ""
+            raise DataError(path, lineno, f"invalid JSON: {e.msg} (column {e.colno}){hint}") from None
         if not isinstance(obj, dict):
             raise DataError(path, lineno, f"expected a JSON object (one per line, JSONL), got {type(obj).__name__}")
         if "\\ud" in line.lower():  # a \ud800-\udfff escape may decode to a lone surrogate, which is no text
