@@ -212,3 +212,21 @@ def test_corrupted_checkpoint_is_refused(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="corrupted or truncated"):
         load_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("strategy", [{}, {"num_beams": 2}, {"do_sample": True, "top_k": 1}])
+def test_a_batch_padded_past_the_position_table_generates_as_hf_does(tmp_path, strategy):
+    """Prompts padded to a fixed width of 30 (5 and 3 real tokens) on a GPT-2 of 32 positions: HF generates 8
+    tokens, and seqlab refused ("38 positions exceed the learned position table"), counting padded slots as
+    positions; speculative decoding already counted each row's real tokens."""
+    hf = _randomise(transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)))
+    ours = load_hf(_save(hf, tmp_path))
+    ids, mask = torch.zeros(2, 30, dtype=torch.long), torch.zeros(2, 30, dtype=torch.long)
+    ids[0, -5:], ids[1, -3:] = torch.tensor([5, 6, 7, 8, 9]), torch.tensor([10, 11, 12])
+    mask[0, -5:], mask[1, -3:] = 1, 1
+    with torch.no_grad():
+        theirs = hf.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                             num_beams=strategy.get("num_beams", 1))
+    mine = generate(ours, ids, mask, max_new_tokens=8, eos_token_id=[], **strategy)
+    assert mine[:, 30:].tolist() == theirs[:, 30:].tolist()

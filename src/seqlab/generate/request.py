@@ -144,7 +144,9 @@ def open_request(model, prep: Prepared, max_new: int) -> tuple[KVCache, Tensor, 
         cache = model.new_cache(B, 1 + max_new, dtype=dtype, device=device)
         logits = prefill(model, prep.input_ids, cache, prep.attention_mask)
         return cache, logits, torch.ones(B, 1, dtype=torch.long, device=device)
-    cache = model.new_cache(B, T + max_new, dtype=dtype, device=device)
+    # positions count each row's real tokens: a batch padded wider than its prompts still fits a position table or
+    # attention window that its longest prompt + max_new fits, as `prepare` checked
+    cache = model.new_cache(B, T + max_new, dtype=dtype, device=device, positions=int(prep.lengths.max()) + max_new)
     logits = prefill(model, prep.input_ids, cache, prep.attention_mask, last_index=prep.last_index)
     return cache, logits, prep.lengths.view(B, 1).clone()
 
