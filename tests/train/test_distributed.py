@@ -10,8 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from seqlab.data import ByteTokenizer
+from seqlab.runtime.dist import DistInfo
+from seqlab.train.distributed import wrap_model
 from tests.train.conftest import make_trainer, windows
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,3 +80,13 @@ def test_ranks_agree_where_they_must_and_draw_their_own_dropout(tmp_path):
     sizes = [(tmp_path / run / "checkpoints" / "step_00000001" / "model.safetensors").stat().st_size
              for run in ("fsdp_tied", "single_tied")]
     assert sizes[0] == sizes[1], sizes
+
+
+def test_parallel_none_with_several_processes_is_refused():
+    """`torchrun --nproc-per-node 2 ... --parallel none` sharded the data and pooled the losses but never the
+    gradients: two replicas trained apart (grad_norm 1.54 where DDP and one process read 1.17), the validation
+    loss mixed both models, and the checkpoint kept rank 0's. One process still runs unwrapped."""
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="--parallel none with 2 processes would train 2 unsynchronised copies"):
+        wrap_model(model, "none", DistInfo(rank=0, world_size=2))
+    assert wrap_model(model, "none", DistInfo()) is model and wrap_model(model, "ddp", DistInfo()) is model

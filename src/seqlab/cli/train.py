@@ -66,7 +66,7 @@ _TRAIN_OPTIONS = [
     ("--device", "device", str, "auto | cpu | cuda[:N] (default auto: a GPU if any)"),
     ("--threads", "num_threads", int, "torch CPU threads (default: one per core, shared out between torchrun "
                                       "processes)"),
-    ("--parallel", "parallel", str, "none | ddp | fsdp (under torchrun; default ddp)"),
+    ("--parallel", "parallel", str, "ddp | fsdp under torchrun (default ddp); none: one process only"),
     ("--eval-interval", "eval_interval", int, "evaluate every N steps (default 200; 0: only at the end)"),
     ("--eval-batches", "eval_batches", int, "batches per evaluation (default: the whole split)"),
     ("--eval-batch-size", "eval_batch_size", int, "rows per evaluation batch (default: --batch-size); with "

@@ -74,7 +74,7 @@ class TrainConfig:
     device: str = "auto"
     num_threads: int | None = None
 
-    # parallelism (torchrun sets the ranks; "none" still works under torchrun with world size 1)
+    # parallelism (torchrun sets the ranks; "none" only with one process: several would train unsynchronised copies)
     parallel: str = "ddp"  # used only when WORLD_SIZE > 1
 
     # evaluation, logging, checkpoints

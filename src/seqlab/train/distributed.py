@@ -18,9 +18,13 @@ from seqlab.runtime.errors import CheckpointError
 
 def wrap_model(model: nn.Module, mode: str, info: DistInfo) -> nn.Module:
     """DDP, or FSDP2 (``fully_shard`` on every block of ``model.blocks``, then on the root). A no-op with one
-    process."""
-    if not info.active or mode == "none":
+    process; ``"none"`` with several is refused: each process would train its own copy on its share of the batch."""
+    if not info.active:
         return model
+    if mode == "none":
+        raise ValueError(f"--parallel none with {info.world_size} processes would train {info.world_size} "
+                         "unsynchronised copies of the model, each on its share of every batch: use --parallel ddp "
+                         "or fsdp, or run one process")
     if mode == "ddp":
         return DistributedDataParallel(model, device_ids=[info.local_rank] if info.device.type == "cuda" else None)
     if mode == "fsdp":

@@ -92,7 +92,7 @@ class Trainer:
         initial = copy.deepcopy(model) if keep_init else None  # written once the run folder exists, then dropped
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.raw_model)
-        self.model = wrap_model(self.raw_model, cfg.parallel if self.dist.active else "none", self.dist)
+        self.model = wrap_model(self.raw_model, cfg.parallel, self.dist)
         self.fsdp = self.dist.active and cfg.parallel == "fsdp"
         self.optimizer = build_optimizer(self.raw_model, cfg)
         if cfg.compile:
