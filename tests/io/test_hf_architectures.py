@@ -207,3 +207,22 @@ def test_an_eos_outside_the_vocabulary_leaves_the_usable_ones(tmp_path):
         (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": generation}))
         cfg = load_hf(tmp_path).config
         assert GenerationConfig().eos_ids(cfg) == expected and cfg.eos_token_id == expected[0]
+
+
+def test_a_pad_id_only_in_the_generation_config_is_read(tmp_path):
+    """Qwen2.5 keeps its pad id in generation_config.json alone. HF pads finished rows with it and reads it as padding
+    in a prompt given without a mask; seqlab ignored it (other tokens after the row's EOS, the pads read as text)."""
+    from seqlab.generate import generate
+
+    hf = _randomised(transformers.LlamaForCausalLM, transformers.LlamaConfig(**SMALL, eos_token_id=2))
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config.get("pad_token_id") is None
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 9], "pad_token_id": 0}))
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.tensor([[0, 0, 0, 5, 6, 7], list(range(8, 14))])
+    with torch.no_grad():
+        expected = hf.generate(ids, max_new_tokens=12, do_sample=False)
+    ours = load_hf(tmp_path)
+    assert ours.config.pad_token_id == 0
+    assert generate(ours, ids, max_new_tokens=12).tolist() == expected.tolist()

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from seqlab.config import ModelConfig
 from seqlab.io.hf_fields import (activation_name, eos_list, int_or_none, sliding_window, vocab_ids,
-                                 with_generation_eos)
+                                 with_generation_ids)
 from seqlab.io.gguf_file import refuse_gguf_file
 from seqlab.io.tensors import load_state_into, load_tensors, read_config_json
 from seqlab.runtime import CheckpointError
@@ -371,7 +371,7 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None, device=No
     folder = Path(path)
     hf = read_config_json(folder / "config.json")
     if (folder / "generation_config.json").is_file():
-        hf = with_generation_eos(hf, read_config_json(folder / "generation_config.json"))
+        hf = with_generation_ids(hf, read_config_json(folder / "generation_config.json"))
     try:
         config_from_hf(hf)  # a bad config fails before any weights are read, naming its file
     except ValueError as e:  # ConfigError and CheckpointError are both ValueErrors

@@ -39,17 +39,23 @@ def eos_list(hf: dict) -> dict[str, list[int]]:
     return {"eos_token_ids": ids} if len(ids) > 1 else {}
 
 
-def with_generation_eos(hf: dict, generation: dict) -> dict:
-    """``hf`` with the EOS ids of ``generation_config.json`` listed after its own.
+def with_generation_ids(hf: dict, generation: dict) -> dict:
+    """``hf`` with the EOS ids of ``generation_config.json`` listed after its own, and its pad id where the config
+    has none.
 
     Why: HF's ``generate`` stops at the generation config's EOS ids, and some chat models list their end of turn
     only there (Llama 3 Instruct: ``config.json`` says 128001, ``generation_config.json`` adds 128009), so a
     reply would otherwise run on past its turn. The config's own id stays first: it is the one training appends.
+    Qwen2.5 keeps its pad id there only: HF pads finished rows with it and reads it as padding in a prompt.
     """
     vocab = hf.get("vocab_size", 0)
     own = vocab_ids(hf.get("eos_token_id"), vocab)
     ids = own + [e for e in vocab_ids(generation.get("eos_token_id"), vocab) if e not in own]
-    return {**hf, "eos_token_id": ids} if len(ids) > len(own) else hf
+    out = {**hf, "eos_token_id": ids} if len(ids) > len(own) else hf
+    pad = vocab_ids(generation.get("pad_token_id"), vocab)
+    if hf.get("pad_token_id") is None and len(pad) == 1:
+        out = {**out, "pad_token_id": pad[0]}
+    return out
 
 
 def sliding_window(hf: dict, model_type: str) -> int | None:
