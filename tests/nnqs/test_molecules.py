@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from seqlab.cli import main
+from seqlab.nnqs import references
 from seqlab.nnqs.molecules import BOHR_IN_ANGSTROM, BUILTIN, MoleculeError, get_molecule, parse_atoms, read_xyz
 from seqlab.nnqs.references import prepare
 from seqlab.nnqs.space import all_configurations, tokens_to_keys
@@ -173,3 +175,16 @@ def test_an_xyz_file_with_a_bom_and_crlf_reads_as_without(tmp_path):
     plain.write_bytes(b"2\nh2\nH 0 0 0\nH 0 0 0.74\n")
     marked.write_bytes(b"\xef\xbb\xbf2\r\nh2\r\nH 0 0 0\r\nH 0 0 0.74\r\n")
     assert read_xyz(marked) == read_xyz(plain)
+
+
+def test_a_basis_past_the_orbital_limit_is_refused_before_the_scf(tmp_path, capsys, monkeypatch):
+    """Ne in aug-cc-pVTZ (46 orbitals, 92 spin orbitals) was refused only after its SCF (16 s here), with advice to
+    use an active space, which the CLI has no flag for."""
+    def no_scf(*args, **kwargs):
+        raise AssertionError("the SCF ran before the size check")
+
+    monkeypatch.setattr(references, "run_scf", no_scf)
+    assert main(["nnqs", "--atom", "Ne 0 0 0", "--basis", "aug-cc-pvtz", "--steps", "1", "--no-cc", "--no-fci",
+                 "--out", str(tmp_path / "ne")]) == 2
+    err = capsys.readouterr().err
+    assert "46 spatial orbitals (92 spin orbitals) exceed seqlab.nnqs's limit of 62" in err and "active" not in err

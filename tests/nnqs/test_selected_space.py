@@ -298,3 +298,13 @@ def test_selected_steps_fit_the_signs_every_so_many_steps(system):
     opt = torch.optim.SGD(wf.parameters(), lr=1e-3)
     fitted = [vmc_step(wf, ham, opt, cfg, step, DistInfo(), selected=space).t_sign_fit > 0 for step in range(3)]
     assert fitted == [True, False, True]
+
+
+def test_a_final_evaluation_past_the_samplers_bound_draws_the_bound(system):
+    """`--samples 1e14`: the final evaluation drew 100 x that, past the sampler's 2^53, and the run died after
+    training (no result.json) with an error naming `n_samples`. It now draws 2^53."""
+    s = system("lih")
+    res = run_vmc(s.hamiltonian, VMCConfig(steps=1, estimator="sampled", samples=10**14, eval_exact_max=100,
+                                           seed=1), TINY)
+    assert res.final["final_eval"] == "sampled" and res.final["final_eval_samples"] == 2**53
+    assert abs(res.final["energy"] - res.records[-1]["energy"]) < 0.05

@@ -50,7 +50,8 @@ def evaluate_energy(wf: Wavefunction, ham: Hamiltonian, cfg: VMCConfig, dist: Di
         e, e2 = e / psum, e2 / psum  # psum == 1 up to float32 round-off of log P; normalising removes it
         return {"energy": e, "energy_std": 0.0, "variance": max(e2 - e * e, 0.0), "final_eval": "exact",
                 "final_eval_samples": None, "n_configurations": n_conf, "prob_sum": psum} | extra
-    n_s = cfg.eval_samples or (1 if selected is not None else 100) * samples_at(cfg, cfg.steps - 1)
+    # 100x the last step's samples, within the sampler's 2^53 (counts are exact integers in a float64 below it)
+    n_s = cfg.eval_samples or min((1 if selected is not None else 100) * samples_at(cfg, cfg.steps - 1), 2**53)
     shared, local = step_generators(seed, 0, dist.rank)
     s = sample(wf, n_s, shared, cfg.sampler, dist.rank, dist.world_size, local)
     keys = tokens_to_keys(s.tokens)

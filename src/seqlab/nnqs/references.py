@@ -19,10 +19,11 @@ import numpy as np
 from seqlab.nnqs.hamiltonian import Hamiltonian, mo_integrals
 from seqlab.nnqs.molecules import Molecule, MoleculeError
 from seqlab.nnqs.orbitals import canonical_orbitals
+from seqlab.nnqs.space import check_size
 
 
 def build_pyscf(mol: Molecule):
-    """pyscf.gto.Mole for ``mol``; the number of orbitals is checked against N_alpha here."""
+    """pyscf.gto.Mole for ``mol``; the number of orbitals is checked against N_alpha and seqlab's limit here."""
     from pyscf import gto  # optional heavy dependency (see the module docstring)
 
     with warnings.catch_warnings(record=True) as said:  # shown only if the molecule builds: on an unknown basis
@@ -38,6 +39,10 @@ def build_pyscf(mol: Molecule):
         raise MoleculeError(
             f"{mol.name}: {mol.n_alpha} alpha electrons do not fit into {pmol.nao} orbitals of basis {mol.basis!r}"
         )
+    try:  # before the SCF, which for a basis this large could take minutes
+        check_size(pmol.nao)
+    except ValueError as e:
+        raise MoleculeError(f"{mol.name} in basis {mol.basis!r}: {e}") from None
     return pmol
 
 

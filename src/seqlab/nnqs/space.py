@@ -30,8 +30,7 @@ def check_size(n_orb: int) -> None:
     if 2 * n_orb > MAX_SPIN_ORBITALS:
         raise ValueError(
             f"{n_orb} spatial orbitals ({2 * n_orb} spin orbitals) exceed seqlab.nnqs's limit of "
-            f"{MAX_SPIN_ORBITALS} spin orbitals (configurations are int64 bit keys); use a smaller basis or an "
-            f"active space"
+            f"{MAX_SPIN_ORBITALS} spin orbitals (configurations are int64 bit keys); use a smaller basis"
         )
 
 
