@@ -194,7 +194,8 @@ def measure(path: Path, dtypes, batches, new_tokens: int, ttft_len: int, repeats
 
 
 def rss_worker(path: Path, impl: str, dtype: str, ttft_len: int) -> None:
-    """Subprocess body: load one implementation, run a TTFT prompt and 32 decode steps, print peak RSS (MiB)."""
+    """Subprocess body: load one implementation, run a TTFT prompt and 32 decode steps, print the whole run's peak
+    RSS (MiB): the larger of the load's and the request's."""
     if impl == "hf":
         from seqlab.io.gguf import read_gguf
         from seqlab.io.tokenizer import tokenizer_from_gguf
@@ -210,11 +211,18 @@ def rss_worker(path: Path, impl: str, dtype: str, ttft_len: int) -> None:
         if impl == "seqlab+accel":  # in place, as `seqlab chat` does: no dense copy stays behind
             accelerate(model, "decode", rows=1, dtype=None)
     ids = long_prompt(tok, ttft_len)
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent (which holds both models). Read
+    # before generating too: seqlab's generate_output starts a new VmHWM window per request, HF's generate does not,
+    # so the request's window alone left seqlab's load peak out and kept HF's in
+    load_peak = _vm_hwm_mib()
     fn = runners(model, hf, ids, torch.ones_like(ids))["hf" if impl == "hf" else "seqlab"]
     _time(fn(32))
-    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent (which holds both models)
+    print(json.dumps({"peak_rss_mib": max(load_peak, _vm_hwm_mib()), "load_peak_mib": load_peak}))
+
+
+def _vm_hwm_mib() -> float:
     hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
-    print(json.dumps({"peak_rss_mib": int(hwm.split()[1]) / 1024}))
+    return int(hwm.split()[1]) / 1024
 
 
 def peak_rss(path: Path, dtypes, ttft_len: int, threads: int | None = None, log=print) -> list[dict]:

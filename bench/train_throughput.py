@@ -270,6 +270,12 @@ def main() -> None:
                     help="GPT-2 small's own sizes (d 768, 12 layers, 12 heads, vocab 50257) instead of the d-256 toy")
     add_isa_options(ap)
     args = ap.parse_args()
+    for name in ("d_model", "n_layers", "n_heads", "vocab", "seq_len", "batch_size", "steps", "reps", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:  # said now, not as an error minutes in
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    unknown = [p for p in args.precisions.split(",") if p not in PRECISION_DTYPES]
+    if unknown:
+        ap.error(f"--precisions: unknown {', '.join(unknown)} (choose from {', '.join(PRECISION_DTYPES)})")
     if args.gpt2_small:
         args.d_model, args.n_layers, args.n_heads, args.vocab = 768, 12, 12, 50257
     if args.isa_child is None:  # the parent: one child per ISA
