@@ -135,3 +135,17 @@ def test_info_counts_quantised_weights_and_describes_an_encoder(tiny_gguf, tmp_p
     assert main(["info", str(tmp_path / "bert"), "--quant", "int8"]) == 0  # no decode routes, but its products'
     out = capsys.readouterr().out
     assert "(encoder: no KV cache" in out and "quantised products (" in out and "    int8 g32" in out
+
+
+def test_perplexity_reads_a_file_as_training_does(tiny_gguf, tmp_path):
+    """`--file` went through Path.read_text: CRLF became LF (its \\r unscored) and a UTF-8 BOM was scored as text,
+    where training and `seqlab eval --data` keep the \\r and drop the BOM."""
+    def scored(name: str, raw: bytes) -> dict:
+        (tmp_path / name).write_bytes(raw)
+        assert main(["perplexity", "--gguf", str(tiny_gguf), "--file", str(tmp_path / name), "--json",
+                     str(tmp_path / f"{name}.json")]) == 0
+        return json.loads((tmp_path / f"{name}.json").read_text())
+
+    lf = scored("lf.txt", b"the cat\nthe hat\n")
+    assert scored("bom.txt", b"\xef\xbb\xbfthe cat\nthe hat\n")["bytes"] == lf["bytes"]
+    assert scored("crlf.txt", b"the cat\r\nthe hat\r\n")["bytes"] == lf["bytes"] + 2

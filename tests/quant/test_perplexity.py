@@ -9,6 +9,7 @@ from seqlab import ModelConfig, build_model
 from seqlab.data.tokenizers import ByteTokenizer
 from seqlab.eval.perplexity import score_text, sliding_window_nll
 from tests.quant.conftest import tiny_decoder
+from tests.sp_tokenizer import sentencepiece_words
 
 
 def test_every_position_scored_once_and_full_pass_agrees():
@@ -59,3 +60,18 @@ def test_bos_follows_the_tokenizers_own_rule():
     ruled = score_text(model, tok, text)
     assert ruled.tokens == len(ids) and ruled.bytes == len(text)
     assert score_text(model, ByteTokenizer(), text, bos=True).nll == ruled.nll
+
+
+def test_without_bos_the_first_tokens_own_bytes_leave_the_count():
+    """Without BOS the first token is context only. A special one spelled in the text (a ChatML transcript under
+    SmolLM2, which adds no BOS) kept its 12 bytes in the count, the byte table counting specials 0; a
+    SentencePiece first word took off one byte too many, for the '▁' that is not in the text."""
+    tok = ByteTokenizer()
+    model = build_model(ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=1, n_heads=2, max_seq_len=64))
+    text = "<|im_start|>user\nhi<|im_end|>\n"
+    assert tok.encode(text)[0] == tok.token_id("<|im_start|>")
+    assert score_text(model, tok, text, bos=False).bytes == len(text) - len("<|im_start|>")
+    sp = sentencepiece_words()
+    sp_model = build_model(ModelConfig(vocab_size=sp.vocab_size, d_model=16, n_layers=1, n_heads=2, max_seq_len=32))
+    for text, first in (("To be or not to be.", "To"), ("be or not to be.", "be")):
+        assert score_text(sp_model, sp, text, bos=False).bytes == len(text) - len(first)

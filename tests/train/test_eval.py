@@ -131,3 +131,15 @@ def test_eval_refuses_an_unknown_precision(tmp_path, capsys):
     from seqlab.train.precision import resolve_precision
     with pytest.raises(ValueError, match="--precision: fp16 needs a GPU"):
         resolve_precision("fp16", torch.device("cpu"), "--precision")
+
+
+def test_eval_with_nothing_to_score_is_an_error_not_a_perfect_model(tmp_path, capsys):
+    """An MLM run scored on a one-character file has no masked targets: `seqlab eval` printed loss 0.0000 and
+    perplexity 1.0000."""
+    run, tiny = tmp_path / "run", tmp_path / "tiny.txt"
+    tiny.write_text("x\n")
+    assert main(["train", "--objective", "mlm", "--tokenizer", "byte", "--out", str(run), "--max-steps", "1",
+                 *TINY, "--precision", "fp32"]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(run), "--data", str(tiny), "--no-progress"]) == 2
+    assert "nothing to score" in capsys.readouterr().err

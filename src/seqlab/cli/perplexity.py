@@ -7,6 +7,7 @@ from collections import Counter
 
 from seqlab.cli.model_args import add_model_source, load_model
 from seqlab.data.corpus import load_corpus
+from seqlab.data.readers import read_text_file
 from seqlab.eval.perplexity import score_text
 from seqlab.quant.convert import model_layout
 from seqlab.runtime import atomic_write_text
@@ -33,11 +34,8 @@ def _read_text(args) -> str:
     if args.split:
         text = load_corpus(args.split)
     else:
-        path = check_readable_file(args.file, "--file")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"--file {path}: not UTF-8 text ({e})") from e
+        # as training and `seqlab eval --data` read it: CRLF kept as written, a UTF-8 BOM dropped, a bad byte named
+        text = read_text_file(check_readable_file(args.file, "--file"))
     if args.max_bytes is not None:
         if args.max_bytes <= 0:
             raise ValueError(f"--max-bytes {args.max_bytes}: must be positive")

@@ -61,6 +61,17 @@ def sliding_window_nll(model: torch.nn.Module, ids: list[int], window: int, stri
     return total, scored
 
 
+def _first_token_bytes(tok: Tokenizer, text: str, first: int) -> int:
+    """The bytes of ``text`` that its first token covers: a special token's spelling (the byte table counts
+    specials as 0, as no text spells them in training), else the table's count, less the '▁' a SentencePiece
+    tokenizer puts before the first word, which is not in the text."""
+    piece = tok.token(first) or ""
+    if first in tok.special_ids:
+        return len(piece.encode("utf-8")) if text.startswith(piece) else 0
+    n = tok.byte_lengths()[first]
+    return n - 1 if piece.startswith("▁") and not text.startswith(("▁", " ")) and n > 0 else n
+
+
 def score_text(model: torch.nn.Module, tok: Tokenizer, text: str, window: int | None = None,
                stride: int | None = None, bos: bool | None = None) -> TextScore:
     """Perplexity and bits per byte of ``text`` under ``model`` (eval mode, no grad).
@@ -84,6 +95,6 @@ def score_text(model: torch.nn.Module, tok: Tokenizer, text: str, window: int | 
     nll, scored = sliding_window_nll(model, ids, window, stride)
     n_bytes = len(text.encode("utf-8"))
     if not bos:  # the first text token is context only
-        n_bytes = max(n_bytes - tok.byte_lengths()[ids[0]], 0)
+        n_bytes = max(n_bytes - _first_token_bytes(tok, text, ids[0]), 0)
     return TextScore(perplexity(nll, len(scored)), bits_per_byte(nll, n_bytes), len(scored), n_bytes, nll,
                      window, stride)

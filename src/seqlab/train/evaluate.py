@@ -132,6 +132,9 @@ def evaluate_checkpoint(path: str | Path, data: str | None = None, split: str | 
     with run_precision.autocast(), objective.evaluating():
         res = evaluate(model, objective, batches, device=dev, max_batches=max_batches, total=len(starts),
                        show_progress=show_progress)
+    if res["n_targets"] == 0:  # a mean over nothing: "loss 0, perplexity 1" would read as a perfect model
+        raise ValueError(f"nothing to score: {source} ({split_name}) gives the {cfg.objective} objective no targets "
+                         f"in {len(ds)} example(s)")
     res.update(checkpoint=str(cdir), objective=cfg.objective, data=source, split=split_name, examples=len(ds),
                precision=run_precision.name)
     return res
