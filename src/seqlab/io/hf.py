@@ -136,12 +136,14 @@ def llama_config(hf: dict) -> ModelConfig:
     model_type = hf.get("model_type", "llama")
     d, n_heads = hf["hidden_size"], hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or d // n_heads
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}  # transformers' order
     for key in ("rope_parameters", "rope_scaling"):  # transformers applies either; a scaling in one is not ignored
         rope_type = (hf.get(key) or {}).get("rope_type", (hf.get(key) or {}).get("type", "default"))
         if rope_type not in (None, "default"):
             raise CheckpointError(f"{model_type} rope scaling {rope_type!r} ({key}) is not supported")
-    theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    # the rope dict's theta first, then the top-level key (a v5 config has only the former; a hand-edited top-level
+    # value beside it is ignored by transformers, so here too)
+    theta = rope.get("rope_theta") or hf.get("rope_theta") or 10000.0
     if hf.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"{model_type} hidden_act={hf['hidden_act']!r} is not supported (expected silu)")
     window = sliding_window(hf, model_type)
@@ -254,7 +256,8 @@ def bart_config(hf: dict) -> ModelConfig:
         raise CheckpointError("BART with different encoder/decoder heads or FFN sizes is not supported")
     if hf.get("add_final_layer_norm") or hf.get("normalize_before"):
         raise CheckpointError("BART variants with pre-norm / final layer norm (mBART) are not supported")
-    act = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh", "silu": "silu", "swish": "silu"}
+    act = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "silu": "silu",
+           "swish": "silu"}  # gelu_pytorch_tanh: what seqlab's own BART export writes for gelu_tanh
     return ModelConfig(
         arch="encoder_decoder", vocab_size=hf["vocab_size"], d_model=hf["d_model"], n_layers=hf["encoder_layers"],
         n_decoder_layers=hf["decoder_layers"], n_heads=hf["encoder_attention_heads"], d_ff=hf["encoder_ffn_dim"],
@@ -383,7 +386,9 @@ def load_hf(path: str | os.PathLike, dtype: torch.dtype | None = None, device=No
         raise CheckpointError(f"{folder}: {e}") from None
     model = build_model(cfg)
     expected = model.state_dict()
-    head_missing = [k for k in expected if k.startswith("lm_head.") and k not in state and k != "lm_head.proj.weight"]
+    # a tied head weight is the embedding's; an untied one a bare BertModel lacks is as missing as the rest
+    head_missing = [k for k in expected if k.startswith("lm_head.") and k not in state
+                    and not (k == "lm_head.proj.weight" and cfg.tie_embeddings)]
     if head_missing and cfg.arch == "encoder":
         state.update({k: expected[k] for k in head_missing})
         cfg.extra["uninitialised"] = head_missing
