@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
+from bench_common import check_count_list
 from seqlab.accel import PackedLinear, accelerate
 from seqlab.config import ModelConfig
 from seqlab.generate import GenerationConfig, generate_output
@@ -66,17 +67,6 @@ def check_options(ap, args, positive: tuple[str, ...]) -> None:
         check_count_list(ap, "--batches", args.batches)
     if args.clock == "cpu" and args.threads != 1:
         ap.error("--clock cpu counts the CPU time of every thread: give --threads 1 with it")
-
-
-def check_count_list(ap, flag: str, value: str) -> list[int]:
-    """A comma list of counts (``--batches 1,8``), each >= 1, or the parser's error naming the flag."""
-    try:
-        counts = [int(v) for v in value.split(",")]
-    except ValueError:
-        ap.error(f"{flag}: expected comma-separated whole numbers, got {value!r}")
-    if any(c < 1 for c in counts):
-        ap.error(f"{flag}: every count must be >= 1, got {value!r}")
-    return counts
 
 
 @dataclass

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from decode_bench import check_count_list  # noqa: E402
+from bench_common import check_count_list, status_mib  # noqa: E402
 from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
 from real_models_smollm2 import _quiet, _time, chat_batch, long_prompt, runners  # noqa: E402
 
@@ -115,11 +115,6 @@ def llama_cpp_column(path: Path, new_tokens: int, python: str | None, repeats: i
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def _status_mib(field: str) -> float:
-    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
-    return int(line.split()[1]) / 1024
-
-
 def rss_worker(impl: str, path: Path, ttft_len: int) -> None:
     """Peak RSS of load + tokenizer + a ``ttft_len`` prefill and 32 decode steps, in MiB.
 
@@ -130,10 +125,10 @@ def rss_worker(impl: str, path: Path, ttft_len: int) -> None:
     model = load(impl, path)
     tok = _tokenizer(path)
     ids = long_prompt(tok, ttft_len)
-    load_peak, loaded = _status_mib("VmHWM"), _status_mib("VmRSS")
+    load_peak, loaded = status_mib("VmHWM"), status_mib("VmRSS")
     fn = runners(None if impl == "hf" else model, model if impl == "hf" else None, ids, torch.ones_like(ids))
     _time(fn["hf" if impl == "hf" else "seqlab"](32))
-    gen_peak = _status_mib("VmHWM")
+    gen_peak = status_mib("VmHWM")
     print(json.dumps({"peak_rss_mib": max(load_peak, gen_peak), "load_peak_mib": load_peak, "loaded_mib": loaded,
                       "generate_peak_mib": gen_peak}))
 

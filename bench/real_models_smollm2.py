@@ -36,7 +36,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -49,7 +48,9 @@ from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E40
 
 from seqlab.accel import accelerate  # noqa: E402
 from seqlab.cli.packaged import SMOLLM2_CHATS, packaged_smollm2  # noqa: E402
+from seqlab.runtime import atomic_write_json  # noqa: E402
 from seqlab.runtime.memory import keep_freed_blocks  # noqa: E402
+from bench_common import status_mib  # noqa: E402
 from decode_bench import (bound_fields, check_options, default_copy, packed_copy, prefill_bound_ms, prefill_route,  # noqa: E402
                           ttft_table, weight_bound_ms)
 
@@ -214,15 +215,10 @@ def rss_worker(path: Path, impl: str, dtype: str, ttft_len: int) -> None:
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the forking parent (which holds both models). Read
     # before generating too: seqlab's generate_output starts a new VmHWM window per request, HF's generate does not,
     # so the request's window alone left seqlab's load peak out and kept HF's in
-    load_peak = _vm_hwm_mib()
+    load_peak = status_mib("VmHWM")
     fn = runners(model, hf, ids, torch.ones_like(ids))["hf" if impl == "hf" else "seqlab"]
     _time(fn(32))
-    print(json.dumps({"peak_rss_mib": max(load_peak, _vm_hwm_mib()), "load_peak_mib": load_peak}))
-
-
-def _vm_hwm_mib() -> float:
-    hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
-    return int(hwm.split()[1]) / 1024
+    print(json.dumps({"peak_rss_mib": max(load_peak, status_mib("VmHWM")), "load_peak_mib": load_peak}))
 
 
 def peak_rss(path: Path, dtypes, ttft_len: int, threads: int | None = None, log=print) -> list[dict]:
@@ -328,9 +324,7 @@ def quality_main(args) -> int:
     res = bf16_quality(path)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(res, indent=2) + "\n")
-    os.replace(tmp, out)
+    atomic_write_json(out, res)
     print(f"wrote {out}")
     return 0
 
@@ -396,10 +390,7 @@ def main(argv=None) -> int:
     print(table(res))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(res, f, indent=2)
-    os.replace(tmp, out)
+    atomic_write_json(out, res)
     print(f"wrote {out}")
     return 0
 

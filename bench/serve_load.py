@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import openai
-from decode_bench import check_count_list
+from bench_common import check_count_list
 
 from seqlab.cli.packaged import packaged_smollm2
 from seqlab.runtime import atomic_write_json
