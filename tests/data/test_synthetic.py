@@ -79,6 +79,8 @@ def test_validation_chats_and_pairs_are_unseen_in_training():
     asked = lambda chats: {m["content"] for c in chats for m in c["messages"] if m["role"] == "user"}
     train_q, val_q = asked(chat_examples(3000, seed=0)), asked(chat_examples(300, seed=0, split="validation"))
     assert len(val_q) > 250 and not train_q & val_q
+    swapped = lambda q: re.sub(r"(\d+) (\+|times) (\d+)", r"\3 \2 \1", q)  # 3 + 5 is 5 + 3 seen
+    assert not {swapped(q) for q in val_q} & train_q
     train_p = {p["prompt"] for p in preference_examples(3000, seed=0)}
     val_p = {p["prompt"] for p in preference_examples(300, seed=0, split="validation")}
     assert len(val_p) > 250 and not train_p & val_p

@@ -149,3 +149,12 @@ def test_perplexity_reads_a_file_as_training_does(tiny_gguf, tmp_path):
     lf = scored("lf.txt", b"the cat\nthe hat\n")
     assert scored("bom.txt", b"\xef\xbb\xbfthe cat\nthe hat\n")["bytes"] == lf["bytes"]
     assert scored("crlf.txt", b"the cat\r\nthe hat\r\n")["bytes"] == lf["bytes"] + 2
+
+
+def test_info_on_a_gguf_name_that_is_no_gguf_says_why(tmp_path, capsys):
+    """A git-lfs pointer or an empty download named .gguf: the GGUF reader's own error, not "expected a model
+    folder" (the magic alone decided, after GGUF files began to be known by it)."""
+    lfs = tmp_path / "model.gguf"
+    lfs.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:4d7f\nsize 91746432\n")
+    assert main(["info", str(lfs)]) == 2
+    assert "not a GGUF file (first bytes b'vers'" in capsys.readouterr().err

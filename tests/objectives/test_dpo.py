@@ -114,3 +114,26 @@ def test_templated_responses_are_the_templates_assistant_turns():
                             template=template)
         assert sft["input_ids"] == ex["prompt_ids"] + ex["chosen_ids"]
         assert [i for i in sft["labels"] if i != IGNORE_INDEX] == ex["chosen_ids"]
+
+
+MISTRAL_V03 = (  # the system message only while the user turn is the last one, as Mistral v0.3 / Nemo print it
+    "{%- if messages[0]['role'] == 'system' %}{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+    "{%- if loop.last and system_message is defined %}{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}"
+    "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}{%- endif %}{%- endfor %}")
+
+
+def test_a_template_whose_prompt_rendering_parts_keeps_the_prompt_inference_sees():
+    """With a system message Mistral v0.3 renders the prompt (system shown) and the conversation with the answer
+    (system gone) differently: the prompt is the one inference sees and the response its text + end of turn,
+    where the span's prefix check had refused the pair."""
+    pair = {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            "chosen": "Yes", "rejected": "No"}
+    ex = tokenize_preference(TOK, pair, template=MISTRAL_V03)
+    text = lambda ids: TOK.decode(ids, skip_special_tokens=False)
+    assert text(ex["prompt_ids"]) == TOK.token(TOK.bos_id) + "[INST] Be brief.\n\nHi[/INST]"
+    assert text(ex["chosen_ids"]) == "Yes" + TOK.eot_token
+    plain = tokenize_preference(TOK, {**pair, "prompt": "Hi"}, template=MISTRAL_V03)  # no system: the span
+    assert text(plain["chosen_ids"]) == " Yes" + TOK.token(TOK.eos_id)

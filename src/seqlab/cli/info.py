@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     path = Path(args.path)
-    gguf = is_gguf_file(path)
+    # by its magic, or by its name: a .gguf that is not one (an LFS pointer, a failed download) gets GGUF's own error
+    gguf = is_gguf_file(path) or (path.suffix.lower() == ".gguf" and path.is_file())
     check_quant_flags(args.quant, args.group_size, may_be_quantised=not gguf)
     if gguf and args.group_size is None:  # --quant as `seqlab generate --gguf` applies it (gguf keeps the blocks)
         model = load_gguf(path, with_tokenizer=False, quant=args.quant)[0]

@@ -31,14 +31,19 @@ def _special_str(tokenizer: Any, tid: int | None) -> str:
     return next((s for s, i in tokenizer.special_tokens.items() if i == tid), "")
 
 
+def _template_tokens(tokenizer: Any) -> dict[str, str]:
+    """The special tokens a chat template may print, by the names transformers passes them."""
+    return {"bos_token": _special_str(tokenizer, tokenizer.bos_id),
+            "eos_token": _special_str(tokenizer, tokenizer.eos_id)}
+
+
 def render_with_spans(tokenizer: Any, messages: Sequence[dict], template: str | None = None
                       ) -> tuple[str, list[tuple[int, int]]]:
     """-> (full text, [(start, end) character span of each assistant turn incl. its end-of-turn token])."""
     template = template or tokenizer.chat_template
     if not template:
         raise ValueError(f"tokenizer {getattr(tokenizer, 'name', '?')!r} has no chat template; pass one")
-    extra = {"bos_token": _special_str(tokenizer, tokenizer.bos_id),
-             "eos_token": _special_str(tokenizer, tokenizer.eos_id)}
+    extra = _template_tokens(tokenizer)
     render = lambda msgs, gen=False: render_chat_template(template, msgs, add_generation_prompt=gen, **extra)
     messages = list(messages)
     full = render(messages)
@@ -88,23 +93,18 @@ def tokenize_preference(tokenizer: Any, example: dict[str, Any], max_len: int | 
     With a chat template (as in SFT) the prompt is rendered as a user turn (or as the given message list) plus the
     generation prompt, and each response is the span the template renders for it as the next assistant turn, end of
     turn included (``render_with_spans``): Mistral's leading space and Gemma's ``<end_of_turn>`` are the template's,
-    not the tokenizer's EOS. Without a template, BOS + the prompt text and responses + EOS. Over-long pairs lose
-    prompt tokens from the left first, then response tokens from the right.
+    not the tokenizer's EOS (``_response_turn``: where the two renderings part, the response + end of turn). Without
+    a template, BOS + the prompt text and responses + EOS. Over-long pairs lose prompt tokens from the left first,
+    then response tokens from the right.
     """
     template = template or tokenizer.chat_template
     prompt = example["prompt"]
     if template:
         msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-
-        def rendered(response: str) -> tuple[str, str]:
-            """(prompt text with the generation prompt, the response's turn); the prompt is the same for every
-            response, since ``render_with_spans`` checks that it is a prefix of the whole rendering"""
-            text, spans = render_with_spans(tokenizer, msgs + [{"role": "assistant", "content": response}], template)
-            start, end = spans[-1]
-            return text[:start], text[start:end]
-
-        prompt_ids = tokenizer.encode(rendered(example["chosen"])[0])
-        enc = lambda r: tokenizer.encode(rendered(r)[1])
+        prompt_text = render_chat_template(template, msgs, add_generation_prompt=True,  # what inference sees
+                                           **_template_tokens(tokenizer))
+        prompt_ids = tokenizer.encode(prompt_text)
+        enc = lambda r: tokenizer.encode(_response_turn(tokenizer, msgs, r, template, prompt_text))
     else:
         if not isinstance(prompt, str):
             raise ValueError("a message-list prompt needs a chat template")
@@ -117,6 +117,19 @@ def tokenize_preference(tokenizer: Any, example: dict[str, Any], max_len: int | 
         enc = lambda r: tokenizer.encode(r) + ([tokenizer.eos_id] if tokenizer.eos_id is not None else [])
     pair = {"prompt_ids": prompt_ids, "chosen_ids": enc(example["chosen"]), "rejected_ids": enc(example["rejected"])}
     return pair if max_len is None else cut_preference(pair, max_len)
+
+
+def _response_turn(tokenizer: Any, msgs: list[dict], response: str, template: str, prompt_text: str) -> str:
+    """The text of ``response`` as the assistant turn after ``prompt_text``: the template's own rendering of it where
+    the conversation with it renders as the prompt + that turn, else the response + the end-of-turn token (Mistral
+    v0.3 shows its system message only while the user turn is the last, so the two renderings part there)."""
+    try:
+        text, spans = render_with_spans(tokenizer, msgs + [{"role": "assistant", "content": response}], template)
+    except ChatTemplateSpanError:
+        text, spans = "", []
+    if spans and text[: spans[-1][0]] == prompt_text:
+        return text[spans[-1][0]: spans[-1][1]]
+    return response + (getattr(tokenizer, "eot_token", None) or "")
 
 
 def cut_preference(pair: dict[str, list[int]], max_len: int) -> dict[str, list[int]]:

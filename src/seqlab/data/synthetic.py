@@ -44,12 +44,15 @@ def _pick_day(rng: random.Random, split: str) -> _dt.date:
 
 
 def _pick_operands(rng: random.Random, split: str, low: int, ordered: bool = False) -> tuple[int, int]:
-    """Two numbers in [low, 99] (``ordered``: the larger first, for a subtraction) of the split's pairs."""
+    """Two numbers in [low, 99] of the split's pairs. ``ordered`` (a subtraction): the larger first, and the pair's
+    order is its own; otherwise 3 + 5 and 5 + 3 are one item, held out together. The key is mixed (Fibonacci
+    hashing), so that validation is not simply "the second operand is a multiple of 20"."""
     while True:
         a, b = rng.randint(low, 99), rng.randint(low, 99)
         if ordered and b > a:
             a, b = b, a
-        if _in_split(100 * a + b, split):
+        first, second = (a, b) if ordered else (min(a, b), max(a, b))
+        if _in_split(((100 * first + second) * 0x9E3779B1 % 2**32) >> 16, split):
             return a, b
 
 

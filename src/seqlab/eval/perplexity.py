@@ -62,14 +62,11 @@ def sliding_window_nll(model: torch.nn.Module, ids: list[int], window: int, stri
 
 
 def _first_token_bytes(tok: Tokenizer, text: str, first: int) -> int:
-    """The bytes of ``text`` that its first token covers: a special token's spelling (the byte table counts
-    specials as 0, as no text spells them in training), else the table's count, less the '▁' a SentencePiece
-    tokenizer puts before the first word, which is not in the text."""
-    piece = tok.token(first) or ""
-    if first in tok.special_ids:
-        return len(piece.encode("utf-8")) if text.startswith(piece) else 0
-    n = tok.byte_lengths()[first]
-    return n - 1 if piece.startswith("▁") and not text.startswith(("▁", " ")) and n > 0 else n
+    """The bytes of ``text`` that its first token covers: the token decoded alone, as the text spells it (a special
+    token's spelling, which the byte table counts 0; no '▁' that a SentencePiece tokenizer adds before the first word,
+    which the table counts 1), or, where that is part of a character (a byte-level piece of an emoji), the table's."""
+    alone = tok.decode([first], skip_special_tokens=False)
+    return tok.byte_lengths()[first] if "\ufffd" in alone else len(alone.encode("utf-8"))
 
 
 def score_text(model: torch.nn.Module, tok: Tokenizer, text: str, window: int | None = None,
