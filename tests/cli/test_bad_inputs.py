@@ -191,7 +191,7 @@ QUANT_CASES: list[Case] = [
     Case("quantize-out-not-empty", ["quantize", "--checkpoint", "{run}/checkpoints/step_00000002", "--bits", "8", "--out", "{tmp}/full"], "the folder is not empty", files={"full/keep.txt": "mine"}),
     Case("quantize-not-gguf", ["quantize", "--gguf", "{tmp}/x.gguf", "--bits", "8", "--out", "{tmp}/q"], "not a GGUF file", files={"x.gguf": "hello, this is plainly not a model file"}),
     Case("quantized-altered", ["generate", "--checkpoint", "{tmp}/q", "--prompt", "hi"], "truncated or altered", files={"q/config.json": '{"format": "seqlab", "config": {}, "quant": {"layout": {"layers": {}}, "sha256": "00"}}', "q/model.safetensors": "not the weights"}),
-    Case("perplexity-empty-text", ["perplexity", "--checkpoint", "{run}/checkpoints/step_00000002", "--file", "{tmp}/e.txt"], "the text is empty", files={"e.txt": "  \n"}),
+    Case("perplexity-empty-text", ["perplexity", "--checkpoint", "{run}/checkpoints/step_00000002", "--file", "{tmp}/e.txt"], "e.txt: file is empty", files={"e.txt": "  \n"}),
     Case("perplexity-json-is-a-folder", ["perplexity", "--checkpoint", "{run}/checkpoints/step_00000002", "--split", "validation", "--json", "{tmp}"], "--json"),
     Case("perplexity-file-is-a-folder", ["perplexity", "--checkpoint", "{run}/checkpoints/step_00000002", "--file", "{tmp}"], "a folder, not a file"),
     Case("perplexity-quant-gguf-on-checkpoint", ["perplexity", "--checkpoint", "{run}/checkpoints/step_00000002", "--quant", "gguf", "--split", "validation"], "--quant gguf keeps"),
