@@ -203,8 +203,8 @@ def test_a_gguf_file_given_as_a_folder_names_the_flag_that_reads_it(tmp_path, ca
     path = tmp_path / "tiny.gguf"
     write_tiny_llama(path)
     for loader in (load_pretrained, load_hf):
-        with pytest.raises(GGUFError, match="a GGUF file, not a model folder: load it with --gguf"):
+        with pytest.raises(GGUFError, match="a GGUF file, not a model folder: commands that read one take --gguf"):
             loader(path)
     for flag in ("--model", "--checkpoint"):
         assert main(["generate", flag, str(path), "--prompt", "a", "--max-new-tokens", "1"]) == 2
-        assert "a GGUF file, not a model folder: load it with --gguf" in capsys.readouterr().err
+        assert "a GGUF file, not a model folder: commands that read one take --gguf" in capsys.readouterr().err

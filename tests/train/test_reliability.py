@@ -216,3 +216,17 @@ def test_a_bpe_tokenizer_of_a_pairs_file_learns_from_its_texts(tmp_path, objecti
     tok = build_tokenizer_for(cfg, cache_dir=tmp_path)
     assert len(tok.encode("日本語テキスト")) <= 2
     assert not any("quok" in piece for piece in tok.backend.get_vocab())
+
+
+@pytest.mark.parametrize("objective", ["seq2seq", "sft", "dpo"])
+def test_a_bpe_tokenizer_of_the_built_in_examples_learns_from_them(tmp_path, objective):
+    """Without --data, sft/dpo/seq2seq's `--tokenizer bpe:N` learned from the play (its last merges 'Ġthou',
+    'Ġhave'), not from the chats, pairs or dates the run trains on."""
+    from seqlab.data import build_tokenizer
+    from seqlab.data.datasets import example_texts
+
+    cfg = TrainConfig(objective=objective, tokenizer="bpe:400", out_dir=str(tmp_path / "run"))
+    tok, play = build_tokenizer_for(cfg, cache_dir=tmp_path), build_tokenizer("bpe:400", cache_dir=tmp_path)
+    assert "Ġthou" in play.backend.get_vocab() and "Ġthou" not in tok.backend.get_vocab()
+    texts = example_texts(objective, None, "train")[:300]
+    assert sum(len(tok.encode(t)) for t in texts) < 0.8 * sum(len(play.encode(t)) for t in texts)

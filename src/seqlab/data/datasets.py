@@ -110,16 +110,23 @@ def split_documents(path: str | os.PathLike | None, split: str) -> list[str]:
     return split_items(docs, split, path)
 
 
-def example_texts(objective: str, path: str | os.PathLike, split: str) -> list[str]:
+def example_texts(objective: str, path: str | os.PathLike | None, split: str, seed: int = 0) -> list[str]:
     """The texts of ``split`` of a seq2seq / sft / dpo file (sources and targets, message contents, prompts and
-    responses): what a BPE tokenizer for such a run learns from, as a clm run's learns from its documents."""
+    responses): what a BPE tokenizer for such a run learns from, as a clm run's learns from its documents. Without a
+    file, the built-in training examples' (it learned from the play, whose words the tasks barely use)."""
+    if path is None:
+        make = {"seq2seq": synthetic.date_example, "sft": synthetic.chat_example,
+                "dpo": synthetic.preference_example}[objective]
+        items = [make(seed, i, "train") for i in range(SYNTHETIC_SIZES[objective][0])]
+    else:
+        read = {"seq2seq": readers.read_seq2seq, "sft": readers.read_sft, "dpo": readers.read_preferences}[objective]
+        items = split_items(read(path), split, path)
     if objective == "seq2seq":
-        return [t for ex in split_items(readers.read_seq2seq(path), split, path) for t in (ex["source"], ex["target"])]
+        return [t for ex in items for t in (ex["source"], ex["target"])]
     if objective == "sft":
-        return [m["content"] for ex in split_items(readers.read_sft(path), split, path) for m in ex["messages"]
-                if m.get("content")]
+        return [m["content"] for ex in items for m in ex["messages"] if m.get("content")]
     texts = []
-    for ex in split_items(readers.read_preferences(path), split, path):
+    for ex in items:
         prompt = ex["prompt"]
         texts += [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt if m.get("content")]
         texts += [ex["chosen"], ex["rejected"]]

@@ -73,9 +73,10 @@ def build_tokenizer_for(cfg: TrainConfig, cache_dir: str | Path | None = None, r
                              "a resumed run must keep its tokenizer")
         return load_tokenizer(saved)
     train_texts = None
-    if spec.startswith("bpe") and cfg.data is not None:  # the training split, not the held-out validation text
-        train_texts = (split_documents(cfg.data, "train") if objective_class(cfg.objective).natural_text
-                       else example_texts(cfg.objective, cfg.data, "train"))
+    natural = objective_class(cfg.objective).natural_text
+    if spec.startswith("bpe") and (cfg.data is not None or not natural):  # the training split, never validation's
+        train_texts = (split_documents(cfg.data, "train") if natural
+                       else example_texts(cfg.objective, cfg.data, "train", cfg.seed))
     return build_tokenizer(spec, train_texts=train_texts, cache_dir=cache_dir or cfg.out_dir)
 
 
