@@ -101,3 +101,20 @@ def test_dpo_max_len_cuts_the_pairs_the_trainer_reads(tmp_path):
         assert all(len(ex["prompt_ids"]) + len(ex["chosen_ids"]) <= 8 for ex in split)
     full, _ = build_datasets(cfg.replace(objective_kwargs={}), tok)
     assert max(len(ex["prompt_ids"]) + len(ex["chosen_ids"]) for ex in full) > 8
+
+
+def test_init_under_another_tokenizer_of_the_same_size_is_refused(tmp_path, capsys):
+    """`--tokenizer bpe:280` learned again on other text: same shapes, yet many ids stand for other tokens, and the
+    --init weights were copied and trained on without a word (a walkthrough's SFT -> DPO with bpe:400 repeated)."""
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("the quick brown fox jumps over the lazy dog\n" * 60)
+    b.write_text("lorem ipsum dolor sit amet consectetur adipiscing\n" * 60)
+    src = tmp_path / "src"
+    assert main(["train", "--tokenizer", "bpe:280", "--data", str(a), *TINY, "--max-steps", "1", "--out", str(src)]) == 0
+    capsys.readouterr()
+    args = ["train", *TINY, "--max-steps", "1", "--init", str(src)]
+    assert main([*args, "--tokenizer", "bpe:280", "--data", str(b), "--out", str(tmp_path / "other")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "its tokenizer" in err[0] and "gives ids to other tokens" in err[0]
+    saved = src / "checkpoints" / "step_00000001" / "tokenizer.json"
+    assert main([*args, "--tokenizer", str(saved), "--data", str(b), "--out", str(tmp_path / "same")]) == 0

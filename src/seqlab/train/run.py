@@ -208,5 +208,16 @@ def build_run(cfg: TrainConfig, resume: bool = False, load_folder: FolderLoader 
     objective = build_objective(cfg.objective, tokenizer, **cfg.objective_kwargs)
     train, val = build_datasets(cfg, tokenizer)
     mc: ModelConfig = model_config(cfg.preset, objective.arch, tokenizer, cfg.seq_len, **cfg.model)
-    return Run(cfg, tokenizer, objective, initial_model(cfg, mc, load_folder, cfg.out_dir if resume else None), train,
-               val)
+    model = initial_model(cfg, mc, load_folder, cfg.out_dir if resume else None)
+    if cfg.init and not resume:
+        check_init_tokenizer(cfg.init, tokenizer)
+    return Run(cfg, tokenizer, objective, model, train, val)
+
+
+def check_init_tokenizer(init: str | os.PathLike, tokenizer) -> None:
+    """``--init`` weights learned each embedding row for one token of their own tokenizer: under another vocabulary of
+    the same size every row would stand for another token, and training would go on without a word."""
+    path = ckpt.resolve_checkpoint(init) / "tokenizer.json"
+    if path.is_file() and load_tokenizer(path).backend.get_vocab() != tokenizer.backend.get_vocab():
+        raise ValueError(f"--init {init}: its tokenizer ({path}) gives ids to other tokens than this run's; pass "
+                         f"--tokenizer {path}")
