@@ -1,9 +1,10 @@
 """SFT: the loss mask covers exactly the assistant turns (content, tool calls, end-of-turn token)."""
 
 import importlib.util
+import struct
+import warnings
 from pathlib import Path
 
-import struct
 import pytest
 import torch
 
@@ -152,3 +153,18 @@ def test_default_rows_hold_every_builtin_chat():
         whole = build_dataset("sft", None, TOK, seq_len=10**6, split=split)
         for i in range(min(len(whole), 1000)):
             assert rows[i]["labels"] == whole[i]["labels"], f"{split} chat {i} is cut at {seq_len} tokens"
+
+
+def test_a_template_without_tool_calls_says_so_once():
+    """The built-in chats' tool-call turns have empty content: under a ChatML template with no tool_calls branch
+    (SmolLM2's own) the turn rendered as nothing and trained its end of turn alone, in a quarter of the chats."""
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    convo = [{"role": "user", "content": "3 times 4?"},
+             {"role": "assistant", "content": "", "tool_calls": [{"name": "calculator", "arguments": {"x": "3*4"}}]},
+             {"role": "tool", "content": "12"}, {"role": "assistant", "content": "12."}]
+    with pytest.warns(UserWarning, match="renders nothing for an assistant turn's tool calls"):
+        render_with_spans(TOK, convo, template)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        render_with_spans(TOK, convo)  # the built-in ChatML template renders them

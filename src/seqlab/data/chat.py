@@ -15,6 +15,7 @@ match. A template whose renders are not prefixes of each other cannot be split t
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 from seqlab.data.collate import IGNORE_INDEX
@@ -63,6 +64,9 @@ def render_with_spans(tokenizer: Any, messages: Sequence[dict], template: str | 
             j = full.rfind(eot, start, end)
             if j >= 0:
                 end = j + len(eot)
+        if m.get("tool_calls") and not full[start:end].replace(eot or "", "").strip():
+            warnings.warn("the chat template renders nothing for an assistant turn's tool calls, so that turn trains "
+                          "only its end of turn (the template has no tool_calls branch)", stacklevel=2)
         spans.append((start, end))
     return full, spans
 
