@@ -133,6 +133,8 @@ def test_a_bare_bert_exports_as_the_encoder_it_is(minilm_dir, embedder, tmp_path
     ref = sentence_embeddings(model, tok, SENTENCES[:3], max_length=max_length)
     again = sentence_embeddings(*load_embedder(out)[:2], SENTENCES[:3], max_length=max_length)
     torch.testing.assert_close(again, ref, rtol=0, atol=1e-6)
+    # the sentence length MiniLM was trained to travels too (without it `seqlab embed` cut at 512, not 256)
+    assert load_embedder(out)[2] == max_length == 256
     hf = AutoModel.from_pretrained(out).eval()
     batch = tok.pad([tok.encode(SENTENCES[0], add_special_tokens=True)])
     with torch.no_grad():

@@ -21,7 +21,7 @@ from seqlab.io.checkpoint import FORMAT, load_pretrained, read_config_json, reso
 from seqlab.io.export_gguf import WEIGHT_TYPES, check_exportable as check_gguf, export_gguf
 from seqlab.io.export_hf import bare_encoder, export_hf, hf_family
 from seqlab.io.hf import config_from_hf
-from seqlab.runtime.files import check_not_under_a_file, check_writable_file
+from seqlab.runtime.files import atomic_write_text, check_not_under_a_file, check_writable_file
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -111,6 +111,9 @@ def run(args: argparse.Namespace) -> int:
         if tokenizer is not None:
             tokenizer.save_pretrained(out, model_max_length=model.config.max_seq_len,
                                       segments=model.config.type_vocab_size > 1)
+        sbert = Path(model_dir) / "sentence_bert_config.json"  # the sentence length an embedder was trained to (256)
+        if sbert.is_file():
+            atomic_write_text(Path(out) / sbert.name, sbert.read_text(encoding="utf-8"))
     else:
         out = export_gguf(model, args.out, tokenizer, weight_type=args.weights, name=Path(args.source).name)
     print(f"exported {model_dir} -> {out} ({args.format})")
