@@ -1,4 +1,4 @@
-"""Helpers the bench scripts share: a count-list option checked at the start, and the process's memory readings."""
+"""Helpers the bench scripts share: count options checked at the start, and the process's memory readings."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,3 +19,12 @@ def check_count_list(ap, flag: str, value: str) -> list[int]:
     if any(c < 1 for c in counts):
         ap.error(f"{flag}: every count must be >= 1, got {value!r}")
     return counts
+
+
+def check_positive(ap, args, names: tuple[str, ...]) -> None:
+    """Each of ``names`` (argparse dests) >= 1 where given, or the parser's error naming the flag: said at the start,
+    not as a ZeroDivisionError or a median of nothing minutes in."""
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")

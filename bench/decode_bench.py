@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn.functional as F
 
-from bench_common import check_count_list
+from bench_common import check_count_list, check_positive
 from seqlab.accel import PackedLinear, accelerate
 from seqlab.config import ModelConfig
 from seqlab.generate import GenerationConfig, generate_output
@@ -59,10 +59,7 @@ def check_options(ap, args, positive: tuple[str, ...]) -> None:
     unknown = [d for d in args.dtypes.split(",") if d not in DTYPES]
     if unknown:
         ap.error(f"--dtypes: unknown {', '.join(unknown)} (choose from {', '.join(DTYPES)})")
-    for name in positive:
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    check_positive(ap, args, positive)
     if getattr(args, "batches", None) is not None:
         check_count_list(ap, "--batches", args.batches)
     if args.clock == "cpu" and args.threads != 1:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_common import check_count_list, status_mib  # noqa: E402
+from bench_common import check_count_list, check_positive, status_mib  # noqa: E402
 from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
 from real_models_smollm2 import _quiet, _time, chat_batch, long_prompt, runners  # noqa: E402
 
@@ -155,9 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench/results/quant_speed.json")
     add_isa_options(ap)
     args = ap.parse_args(argv)
-    for name in ("new_tokens", "repeats", "ttft_len"):  # said now, not as a ZeroDivisionError after every load
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_positive(ap, args, ("new_tokens", "repeats", "ttft_len"))
     check_count_list(ap, "--batches", args.batches)
     path = packaged_smollm2()
     if args.rss_worker:

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from bench_common import check_positive  # noqa: E402
 from decode_bench import matmul_peak  # noqa: E402
 from isa_matrix import add_isa_options, run_per_isa, strip_isa_args  # noqa: E402
 
@@ -270,9 +271,8 @@ def main() -> None:
                     help="GPT-2 small's own sizes (d 768, 12 layers, 12 heads, vocab 50257) instead of the d-256 toy")
     add_isa_options(ap)
     args = ap.parse_args()
-    for name in ("d_model", "n_layers", "n_heads", "vocab", "seq_len", "batch_size", "steps", "reps", "threads"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:  # said now, not as an error minutes in
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_positive(ap, args, ("d_model", "n_layers", "n_heads", "vocab", "seq_len", "batch_size", "steps", "reps",
+                              "threads"))
     unknown = [p for p in args.precisions.split(",") if p not in PRECISION_DTYPES]
     if unknown:
         ap.error(f"--precisions: unknown {', '.join(unknown)} (choose from {', '.join(PRECISION_DTYPES)})")

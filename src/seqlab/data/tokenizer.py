@@ -179,6 +179,11 @@ class Tokenizer:
         flag (a Llama-3 folder's post-processor adds BOS with no ``add_bos_token`` set)."""
         return self.bos_id is not None and self.encode("a", add_special_tokens=True)[:1] == [self.bos_id]
 
+    @property
+    def adds_eos(self) -> bool:
+        """Whether ``encode(text, add_special_tokens=True)`` ends with EOS (BERT's [SEP], a seq2seq source's EOS)."""
+        return self.eos_id is not None and self.encode("a", add_special_tokens=True)[-1:] == [self.eos_id]
+
     def set_special_rule(self, add_bos: bool, add_eos: bool = False) -> None:
         """Make ``encode(text, add_special_tokens=True)`` start with BOS / end with EOS, and store the rule in the
         backend, so a saved tokenizer.json carries it to transformers (and an export to llama.cpp's flag)."""
@@ -218,8 +223,7 @@ class Tokenizer:
             token = self.token(getattr(self, f"{role}_id"))
             if token is not None:
                 cfg[f"{role}_token"] = token
-        ends = self.encode("a", add_special_tokens=True)
-        if None not in (self.bos_id, self.eos_id) and ends[:1] + ends[-1:] == [self.bos_id, self.eos_id]:
+        if self.adds_bos and self.adds_eos:
             # BERT's rule, [CLS] text [SEP]: transformers' BERT code reads them as cls and sep, not bos and eos
             cfg["cls_token"], cfg["sep_token"] = self.bos_token, self.eos_token
         cfg["model_max_length"] = model_max_length or int(1e30)  # HF's "no limit" unless the model's context is known

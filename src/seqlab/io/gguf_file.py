@@ -35,7 +35,7 @@ def is_gguf_file(path: str | Path) -> bool:
 
 
 def refuse_gguf_file(path: str | Path) -> None:
-    """Raise where a folder loader was handed a GGUF file, naming the loader that reads it."""
+    """Raise where a folder loader was handed a GGUF file, saying what reads one."""
     if is_gguf_file(path):
         raise GGUFError(f"{path}: a GGUF file, not a model folder: commands that read one take --gguf; for a folder, "
                         "save what seqlab.io.load_gguf returns with save_pretrained")
